@@ -1,0 +1,26 @@
+"""dynemb: dynamic embedding tables with int64 keys for PyTorch recommender training."""
+
+from dynemb import optim
+from dynemb.config import Admission, Initializer, TableConfig
+from dynemb.errors import InsertionError
+from dynemb.nn import DynamicEmbedding, DynamicEmbeddingBag, DynamicTable
+from dynemb.table.index import KeyIndex
+from dynemb.types import CheckMode, InitKind, PoolingMode, ScoreStrategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Admission",
+    "CheckMode",
+    "DynamicEmbedding",
+    "DynamicEmbeddingBag",
+    "DynamicTable",
+    "InitKind",
+    "Initializer",
+    "InsertionError",
+    "KeyIndex",
+    "PoolingMode",
+    "ScoreStrategy",
+    "TableConfig",
+    "optim",
+]

@@ -1,0 +1,161 @@
+"""Frozen keyword-only configuration of a dynamic table; every field is validated on creation."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from dynemb.types import CheckMode, InitKind, ScoreStrategy
+
+
+def _require(ok: bool, field: str, value, why: str) -> None:
+    if not ok:
+        raise ValueError(f"{field}={value!r}: {why}")
+
+
+def _require_int(field: str, value, minimum: int) -> None:
+    _require(
+        isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
+        field,
+        value,
+        f"must be an int >= {minimum}",
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Initializer:
+    """Initial value of a new key's embedding row.
+
+    Args:
+        kind: ``uniform`` on [low, high), ``normal`` (mean, std), ``truncated_normal`` (mean, std,
+            cut at mean + a*std and mean + b*std) or ``constant`` (value).
+        low, high: uniform bounds; ``None`` means -/+ 1/sqrt(D).
+        mean, std: normal parameters; ``std=None`` means 1/sqrt(D).
+        a, b: truncation points of ``truncated_normal`` in units of std.
+        value: the constant of ``constant``.
+        per_key: ``True`` (default) makes a key's row a function of (seed, key) only, so it does
+            not depend on batch order, world size or re-insertion after eviction. ``False`` draws
+            from the table's torch.Generator instead (cheaper, not reproducible per key).
+    """
+
+    kind: InitKind | str = InitKind.UNIFORM
+    low: float | None = None
+    high: float | None = None
+    mean: float = 0.0
+    std: float | None = None
+    a: float = -2.0
+    b: float = 2.0
+    value: float = 0.0
+    per_key: bool = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "kind", InitKind.parse(self.kind, "initializer.kind"))
+        if self.low is not None and self.high is not None:
+            _require(self.low < self.high, "initializer.low", self.low, f"must be < high={self.high}")
+        if self.std is not None:
+            _require(self.std > 0, "initializer.std", self.std, "must be > 0")
+        _require(self.a < self.b, "initializer.a", self.a, f"must be < b={self.b}")
+        for name in ("mean", "value", "a", "b"):
+            v = getattr(self, name)
+            _require(isinstance(v, (int, float)) and math.isfinite(v), f"initializer.{name}", v, "must be a finite number")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Admission:
+    """Frequency admission: a new key enters the table once seen ``threshold`` times in training.
+
+    Counts of keys not yet admitted live in a bounded counter index of ``counter_capacity`` keys
+    that evicts the counts of keys unseen for the longest (step strategy).
+    """
+
+    threshold: int
+    counter_capacity: int = 1 << 20
+
+    def __post_init__(self):
+        _require_int("admission.threshold", self.threshold, 1)
+        _require_int("admission.counter_capacity", self.counter_capacity, 1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TableConfig:
+    """Everything that defines one dynamic table (one rank's shard of it).
+
+    Args:
+        embedding_dim: D, columns of an embedding.
+        capacity: most rows the table holds; rounded up to a multiple of
+            ``bucket_capacity * 2**k`` where k is the number of doublings from ``init_capacity``.
+        init_capacity: rows at creation (default: ``capacity``); the table doubles when its load
+            factor passes ``max_load_factor`` or a bucket overflows, up to ``capacity``.
+        bucket_capacity: W, slots per hash bucket; eviction is decided within a bucket.
+        max_load_factor: load factor that triggers growth, in (0, 1].
+        score_strategy: see :class:`dynemb.ScoreStrategy`.
+        check_mode: what a failed insert does, see :class:`dynemb.CheckMode`.
+        initializer: initial rows of new keys.
+        admission: optional frequency admission.
+        eval_default: value of every column returned for a key missing in eval mode.
+        seed: seed of per-key initialisation and of the table's generator.
+        dtype: embedding and optimizer state dtype.
+        device: where index and rows live ("cpu", "cuda", "cuda:1", ...).
+    """
+
+    embedding_dim: int
+    capacity: int
+    init_capacity: int | None = None
+    bucket_capacity: int = 32
+    max_load_factor: float = 0.75
+    score_strategy: ScoreStrategy | str = ScoreStrategy.TIMESTAMP
+    check_mode: CheckMode | str = CheckMode.RAISE
+    initializer: Initializer = dataclasses.field(default_factory=Initializer)
+    admission: Admission | None = None
+    eval_default: float = 0.0
+    seed: int = 0
+    dtype: torch.dtype = torch.float32
+    device: torch.device | str = "cpu"
+
+    def __post_init__(self):
+        _require_int("embedding_dim", self.embedding_dim, 1)
+        _require_int("capacity", self.capacity, 1)
+        _require_int("bucket_capacity", self.bucket_capacity, 1)
+        if self.init_capacity is not None:
+            _require_int("init_capacity", self.init_capacity, 1)
+            _require(
+                self.init_capacity <= self.capacity,
+                "init_capacity",
+                self.init_capacity,
+                f"must be <= capacity={self.capacity}",
+            )
+        _require(
+            isinstance(self.max_load_factor, (int, float)) and 0 < self.max_load_factor <= 1,
+            "max_load_factor",
+            self.max_load_factor,
+            "must be in (0, 1]",
+        )
+        object.__setattr__(self, "score_strategy", ScoreStrategy.parse(self.score_strategy, "score_strategy"))
+        object.__setattr__(self, "check_mode", CheckMode.parse(self.check_mode, "check_mode"))
+        _require(isinstance(self.initializer, Initializer), "initializer", self.initializer, "must be a dynemb.Initializer")
+        _require(
+            self.admission is None or isinstance(self.admission, Admission),
+            "admission",
+            self.admission,
+            "must be None or a dynemb.Admission",
+        )
+        _require(
+            isinstance(self.eval_default, (int, float)) and math.isfinite(self.eval_default),
+            "eval_default",
+            self.eval_default,
+            "must be a finite number",
+        )
+        _require(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed", self.seed, "must be an int")
+        _require(
+            isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point,
+            "dtype",
+            self.dtype,
+            "must be a floating torch.dtype",
+        )
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device={self.device!r}: not a torch device") from None
+        object.__setattr__(self, "device", device)

@@ -1,0 +1,97 @@
+"""DynamicEmbedding (one vector per id) and DynamicEmbeddingBag (pooled per bag).
+
+N ids, B bags, D embedding dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dynemb.config import Admission, Initializer, TableConfig
+from dynemb.nn.table import DynamicTable
+from dynemb.optim.base import RowOptimizer
+from dynemb.types import CheckMode, PoolingMode, ScoreStrategy
+
+
+def _config(embedding_dim, capacity, kwargs) -> TableConfig:
+    try:
+        return TableConfig(embedding_dim=embedding_dim, capacity=capacity, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"{e}; see dynemb.TableConfig for the accepted arguments") from None
+
+
+class DynamicEmbedding(DynamicTable):
+    """Embedding table for arbitrary int64 ids: ``ids [*] -> [*, D]``.
+
+    Args:
+        embedding_dim: D.
+        capacity: most keys held on this device.
+        optimizer: fused optimizer (``dynemb.optim.SGD / Adagrad / RowWiseAdagrad / Adam``),
+            applied in backward; ``None`` for a frozen table.
+        **options: any other :class:`dynemb.TableConfig` field (``init_capacity``,
+            ``score_strategy``, ``check_mode``, ``initializer``, ``admission``, ``eval_default``,
+            ``seed``, ``bucket_capacity``, ``max_load_factor``, ``dtype``, ``device``).
+
+    Example::
+
+        table = dynemb.DynamicEmbedding(embedding_dim=16, capacity=1 << 16,
+                                        optimizer=dynemb.optim.Adam(lr=1e-3))
+        out = table(torch.tensor([[3, -7], [2**62, 3]]))   # [2, 2, 16]
+        out.sum().backward()                               # rows of 3, -7, 2**62 updated
+    """
+
+    def __init__(self, embedding_dim: int, capacity: int, *, optimizer: RowOptimizer | None = None, **options):
+        super().__init__(_config(embedding_dim, capacity, options), optimizer)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (Tensor[int64]): [*] -> Tensor [*, D]."""
+        emb, inverse = self.lookup(ids)
+        return F.embedding(inverse, emb)
+
+
+class DynamicEmbeddingBag(DynamicTable):
+    """Pooled embedding table for arbitrary int64 ids, with torch.nn.EmbeddingBag conventions.
+
+    Args:
+        embedding_dim, capacity, optimizer, **options: as :class:`DynamicEmbedding`.
+        mode: ``"sum"`` or ``"mean"``.
+        include_last_offset: offsets has B+1 entries, the last being N.
+
+    ``forward(ids, offsets=None, per_sample_weights=None)``: 1-D ids [N] with offsets [B] (or
+    [B+1]) give [B, D]; 2-D ids [B, L] (fixed-length bags, offsets None) give [B, D].
+    ``per_sample_weights`` (same shape as ids) needs mode ``"sum"``. Empty bags pool to zeros.
+    """
+
+    def __init__(self, embedding_dim: int, capacity: int, *, mode: PoolingMode | str = PoolingMode.MEAN, include_last_offset: bool = False, optimizer: RowOptimizer | None = None, **options):
+        mode = PoolingMode.parse(mode, "mode")
+        if mode is PoolingMode.NONE:
+            raise ValueError("mode='none': use dynemb.DynamicEmbedding for one vector per id")
+        super().__init__(_config(embedding_dim, capacity, options), optimizer)
+        self.mode = mode
+        self.include_last_offset = bool(include_last_offset)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, mode='{self.mode}'"
+
+    def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """ids [N] + offsets [B(+1)], or ids [B, L] -> Tensor [B, D]."""
+        if isinstance(ids, torch.Tensor) and ids.dim() == 1 and offsets is None:
+            raise ValueError("offsets is required when ids is 1-D (or pass 2-D ids [B, L])")
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and offsets is not None:
+            raise ValueError("offsets must be None when ids is 2-D [B, L]")
+        if isinstance(ids, torch.Tensor) and ids.dim() not in (1, 2):
+            raise ValueError(f"ids.dim()={ids.dim()}: must be 1 (with offsets) or 2")
+        if per_sample_weights is not None and per_sample_weights.shape != ids.shape:
+            raise ValueError(f"per_sample_weights.shape={tuple(per_sample_weights.shape)} must equal ids.shape={tuple(ids.shape)}")
+        emb, inverse = self.lookup(ids)
+        return F.embedding_bag(
+            inverse,
+            emb,
+            offsets,
+            mode=self.mode.value,
+            per_sample_weights=per_sample_weights,
+            include_last_offset=self.include_last_offset,
+        )
+
+

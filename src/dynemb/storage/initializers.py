@@ -1,0 +1,79 @@
+"""Initial embedding rows of new keys.
+
+n keys, D embedding dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dynemb.config import Initializer
+from dynemb.table.hashing import init_bits, unit_uniform
+from dynemb.types import InitKind
+
+_TWO_POW_M24 = 2.0**-24
+
+
+def _uniform_pair(bits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two independent uniforms from 64 bits: u1 in (0, 1] from bits 40..63, u2 in [0, 1) from 16..39."""
+    u1 = unit_uniform(bits, dtype).add_(_TWO_POW_M24)
+    u2 = ((bits >> 16) & 0xFFFFFF).to(dtype).mul_(_TWO_POW_M24)
+    return u1, u2
+
+
+class RowInitializer:
+    """Makes the initial [n, D] embeddings of keys as configured.
+
+    Args:
+        config: the table's :class:`dynemb.Initializer`.
+        embedding_dim: D.
+        seed: table seed; per-key values depend on (seed, key) only.
+        dtype, device: of the values.
+    """
+
+    def __init__(self, config: Initializer, embedding_dim: int, seed: int, dtype: torch.dtype, device: torch.device):
+        self.config = config
+        self.dim = embedding_dim
+        self.seed = seed
+        self.dtype = dtype
+        self.device = device
+        bound = 1.0 / math.sqrt(embedding_dim)
+        self.low = -bound if config.low is None else config.low
+        self.high = bound if config.high is None else config.high
+        self.std = bound if config.std is None else config.std
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, keys: torch.Tensor) -> torch.Tensor:
+        """Initial embeddings of keys (Tensor[int64]: [n]) -> [n, D]."""
+        n, D, c = keys.numel(), self.dim, self.config
+        if c.kind is InitKind.CONSTANT:
+            return torch.full((n, D), c.value, dtype=self.dtype, device=self.device)
+        # Sample in float32 at least: 24 random bits do not fit a half mantissa.
+        work = torch.float64 if self.dtype == torch.float64 else torch.float32
+        if c.per_key:
+            bits = init_bits(keys, self.seed, D)  # [n, D]
+            if c.kind is InitKind.UNIFORM:
+                u = unit_uniform(bits, work)
+            else:
+                u1, u2 = _uniform_pair(bits, work)
+        else:
+            u = torch.rand((n, D), generator=self.generator, dtype=work, device=self.device)
+            if c.kind is not InitKind.UNIFORM:
+                u1 = 1.0 - u
+                u2 = torch.rand((n, D), generator=self.generator, dtype=work, device=self.device)
+        if c.kind is InitKind.UNIFORM:
+            out = u.mul_(self.high - self.low).add_(self.low)
+        elif c.kind is InitKind.NORMAL:
+            # Box-Muller.
+            out = u1.log_().mul_(-2.0).sqrt_().mul_(torch.cos(u2.mul_(2 * math.pi))).mul_(self.std).add_(c.mean)
+        else:
+            # Inverse CDF on [Phi(a), Phi(b)]: exact truncation, no rejection loop.
+            pa = 0.5 * (1 + math.erf(c.a / math.sqrt(2)))
+            pb = 0.5 * (1 + math.erf(c.b / math.sqrt(2)))
+            p = u2.mul_(pb - pa).add_(pa).clamp_(min=1e-7, max=1 - 1e-7)
+            z = torch.erfinv(p.mul_(2).sub_(1)).mul_(math.sqrt(2)).clamp_(c.a, c.b)
+            out = z.mul_(self.std).add_(c.mean)
+        return out.to(self.dtype)

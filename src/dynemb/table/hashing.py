@@ -1,0 +1,88 @@
+"""The one 64-bit mixer of dynemb and the bits each use takes from it.
+
+N keys. All arithmetic is int64 with two's-complement wrap-around, which torch performs on CPU and
+CUDA alike; right shifts are made logical by masking the sign-extended bits.
+
+Uses and their bits (independent, so e.g. rank routing does not starve buckets):
+    bucket      high 32 bits of mix(key)           (multiply-shift onto [0, B))
+    rank        low 32 bits of mix(key)            (multiply-shift onto [0, R))
+    init        mix(mix(key ^ seed') + column)    (a second round, seeded)
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK32 = (1 << 32) - 1
+
+
+def _signed(x: int) -> int:
+    """The int64 with the same bits as the unsigned 64-bit ``x``."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_M1 = _signed(0xBF58476D1CE4E5B9)
+_M2 = _signed(0x94D049BB133111EB)
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 ``x`` by ``s`` bits."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def mix64(keys: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finaliser: a bijection on 64-bit values.
+
+    Args:
+        keys (Tensor[int64]): [*] any shape.
+    Returns:
+        Tensor[int64]: [*] mixed bits.
+    """
+    x = keys ^ _shr(keys, 30)
+    x = x * _M1
+    x = x ^ _shr(x, 27)
+    x = x * _M2
+    return x ^ _shr(x, 31)
+
+
+def bucket_of(mixed: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """Bucket in [0, num_buckets) from the high 32 bits of ``mixed`` ([N] int64 -> [N] int64).
+
+    Multiply-shift keeps the split property used by growth: doubling ``num_buckets`` sends bucket
+    b to buckets 2b and 2b+1 only.
+    """
+    return (_shr(mixed, 32) * num_buckets) >> 32
+
+
+def rank_of(mixed: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Owner rank in [0, world_size) from the low 32 bits of ``mixed`` ([N] int64 -> [N] int64)."""
+    return ((mixed & _MASK32) * world_size) >> 32
+
+
+def init_bits(keys: torch.Tensor, seed: int, columns: int) -> torch.Tensor:
+    """Per (key, column) 64 pseudo-random bits that depend on (seed, key, column) only.
+
+    Args:
+        keys (Tensor[int64]): [N]
+        seed: any int.
+        columns: D.
+    Returns:
+        Tensor[int64]: [N, D]
+    """
+    salt = _signed((seed * _GOLDEN + 0x632BE59BD9B4E019) & ((1 << 64) - 1))
+    base = mix64(keys ^ salt)
+    col = torch.arange(columns, device=keys.device, dtype=torch.int64) * _GOLDEN
+    x = base[:, None] + col  # [N, D]
+    # A cheaper second round (xorshift-multiply) on the [N, D] tensor, in place.
+    x ^= _shr(x, 33)
+    x *= _M1
+    x ^= _shr(x, 29)
+    x *= _M2
+    x ^= _shr(x, 32)
+    return x
+
+
+def unit_uniform(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Map 64-bit values to floats uniform on [0, 1) using their top 24 bits ([*] -> [*])."""
+    return (_shr(bits, 40).to(dtype)).mul_(2.0**-24)
