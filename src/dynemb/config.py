@@ -88,7 +88,8 @@ class TableConfig:
             ``bucket_capacity * 2**k`` where k is the number of doublings from ``init_capacity``.
         init_capacity: rows at creation (default: ``capacity``); the table doubles when its load
             factor passes ``max_load_factor`` or a bucket overflows, up to ``capacity``.
-        bucket_capacity: W, slots per hash bucket; eviction is decided within a bucket.
+        bucket_capacity: W, slots per hash bucket; a key may use either of two buckets, and
+            eviction picks among their 2W keys.
         max_load_factor: load factor that triggers growth, in (0, 1].
         score_strategy: see :class:`dynemb.ScoreStrategy`.
         check_mode: what a failed insert does, see :class:`dynemb.CheckMode`.
@@ -103,8 +104,8 @@ class TableConfig:
     embedding_dim: int
     capacity: int
     init_capacity: int | None = None
-    bucket_capacity: int = 32
-    max_load_factor: float = 0.75
+    bucket_capacity: int = 16
+    max_load_factor: float = 0.85
     score_strategy: ScoreStrategy | str = ScoreStrategy.TIMESTAMP
     check_mode: CheckMode | str = CheckMode.RAISE
     initializer: Initializer = dataclasses.field(default_factory=Initializer)

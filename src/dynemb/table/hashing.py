@@ -4,7 +4,8 @@ N keys. All arithmetic is int64 with two's-complement wrap-around, which torch p
 CUDA alike; right shifts are made logical by masking the sign-extended bits.
 
 Uses and their bits (independent, so e.g. rank routing does not starve buckets):
-    bucket      high 32 bits of mix(key)           (multiply-shift onto [0, B))
+    bucket 1    high 32 bits of mix(key)           (multiply-shift onto [0, B))
+    bucket 2    high 32 bits of mix(mix(key))      (the second choice of two-choice hashing)
     rank        low 32 bits of mix(key)            (multiply-shift onto [0, R))
     init        mix(mix(key ^ seed') + column)    (a second round, seeded)
 """
@@ -53,6 +54,12 @@ def bucket_of(mixed: torch.Tensor, num_buckets: int) -> torch.Tensor:
     b to buckets 2b and 2b+1 only.
     """
     return (_shr(mixed, 32) * num_buckets) >> 32
+
+
+def candidate_buckets(keys: torch.Tensor, num_buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two buckets a key may live in ([N] int64 -> two [N] int64); they may coincide."""
+    mixed = mix64(keys)
+    return bucket_of(mixed, num_buckets), bucket_of(mix64(mixed), num_buckets)
 
 
 def rank_of(mixed: torch.Tensor, world_size: int) -> torch.Tensor:

@@ -3,10 +3,15 @@
 N keys in a batch, U unique keys, M new keys to place, O new keys that overflow their bucket,
 B buckets, W slots per bucket (bucket capacity).
 
-Layout: four [B, W] tensors (key, used flag, row id, score). A key lives in bucket
-``bucket_of(mix64(key), B)`` at any free slot. Lookups compare a key against its bucket's W
-slots at once. Growth doubles B and re-places keys and row ids (never rows); multiply-shift
-bucketing sends old bucket b to new buckets 2b and 2b+1, so re-placement never overflows.
+Layout: four [B, W] tensors (key, used flag, row id, score). Two-choice hashing: a key may live
+at any slot of either of its two candidate buckets (``candidate_buckets``); lookups compare it
+against those 2W slots at once. A new key goes to the candidate with more free slots, else to the
+other; only when both are full does it evict the lowest-scored unlocked key among the 2W (a key
+is locked while the batch that uses it is being placed). Two choices let the index fill past 90%
+before any bucket overflows, where one choice overflows some buckets at about 60%.
+
+Growth doubles B and re-places keys and row ids (never rows); multiply-shift bucketing sends old
+bucket b to new buckets 2b and 2b+1 for both choices, so re-placement never overflows.
 """
 
 from __future__ import annotations
@@ -14,28 +19,15 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Iterator
-from typing import NamedTuple
 
 import torch
 
 from dynemb.errors import InsertionError
 from dynemb.table.base import InsertResult, RowAllocator
-from dynemb.table.hashing import bucket_of, mix64
+from dynemb.table.hashing import candidate_buckets
 from dynemb.types import CheckMode, ScoreStrategy
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
-
-
-class _Plan(NamedTuple):
-    """Placement of M new keys, in (bucket, score desc, key) order (all [M])."""
-
-    order: torch.Tensor  # position of each planned key in the caller's sorted new keys
-    keys: torch.Tensor
-    scores: torch.Tensor
-    bucket: torch.Tensor
-    slot: torch.Tensor  # the free slot taken, meaningful where fits
-    fits: torch.Tensor
-    victim_rank: torch.Tensor  # for overflowing keys: which eviction candidate of the bucket
 
 
 def plan_buckets(capacity: int, init_capacity: int | None, bucket_capacity: int) -> tuple[int, int]:
@@ -76,18 +68,18 @@ class KeyIndex:
         capacity: int,
         allocator: RowAllocator,
         init_capacity: int | None = None,
-        bucket_capacity: int = 32,
-        max_load_factor: float = 0.75,
+        bucket_capacity: int = 16,
+        max_load_factor: float = 0.85,
         score_strategy: ScoreStrategy | str = ScoreStrategy.TIMESTAMP,
         check_mode: CheckMode | str = CheckMode.RAISE,
         device: torch.device | str = "cpu",
     ):
         for name, value in (("capacity", capacity), ("bucket_capacity", bucket_capacity)):
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be an int >= 1")
         if init_capacity is not None and not (isinstance(init_capacity, int) and 1 <= init_capacity <= capacity):
             raise ValueError(f"init_capacity={init_capacity!r}: must be an int in [1, capacity={capacity}]")
-        if not 0 < max_load_factor <= 1:
+        if not (isinstance(max_load_factor, (int, float)) and 0 < max_load_factor <= 1):
             raise ValueError(f"max_load_factor={max_load_factor!r}: must be in (0, 1]")
         self.strategy = ScoreStrategy.parse(score_strategy, "score_strategy")
         self.check_mode = CheckMode.parse(check_mode, "check_mode")
@@ -100,6 +92,7 @@ class KeyIndex:
         self._last_timestamp = 0
         self._size = 0
         self._slot_ids = torch.arange(bucket_capacity, device=self.device)
+        self._pair_slot_ids = torch.arange(2 * bucket_capacity, device=self.device)
         self._allocate_tables(self.num_buckets)
         self.last_failed_keys = _EMPTY.to(self.device)
         self._stats = {"inserts": 0, "evictions": 0, "failed_inserts": 0, "growths": 0}
@@ -110,7 +103,7 @@ class KeyIndex:
         self._used = torch.zeros(shape, dtype=torch.bool, device=self.device)
         self._rows = torch.full(shape, -1, dtype=torch.int64, device=self.device)
         self._scores = torch.zeros(shape, dtype=torch.int64, device=self.device)
-        # Marks slots touched by the batch being placed; set and cleared per call, never reallocated.
+        # Marks slots locked by the batch being placed; set and cleared per call, never reallocated.
         self._lock = torch.zeros(num_buckets * self.bucket_capacity, dtype=torch.bool, device=self.device)
 
     def size(self) -> int:
@@ -149,16 +142,27 @@ class KeyIndex:
             raise ValueError(f"{name}.device={keys.device}: the index lives on {self.device}")
         return keys.reshape(-1).to(torch.int64)
 
+    def _candidate_slots(self, keys: torch.Tensor) -> torch.Tensor:
+        """Flat positions of the 2W candidate slots of each key ([N] -> [N, 2W]), bucket 1 first."""
+        b1, b2 = candidate_buckets(keys, self.num_buckets)
+        W = self.bucket_capacity
+        return (torch.stack([b1, b2], 1) * W)[:, :, None].add(self._slot_ids).view(-1, 2 * W)
+
     def _locate(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat slot of each key (-1 if absent) and whether it is present ([N] int64, [N] bool)."""
         W = self.bucket_capacity
-        bucket = bucket_of(mix64(keys), self.num_buckets)
-        match = torch.eq(self._keys.index_select(0, bucket), keys[:, None])  # [N, W]
-        match &= self._used.index_select(0, bucket)
+        b1, b2 = candidate_buckets(keys, self.num_buckets)
+        buckets = torch.stack([b1, b2], 1).view(-1)  # [2N]
+        n = keys.numel()
+        match = torch.eq(self._keys.index_select(0, buckets).view(n, 2 * W), keys[:, None])  # [N, 2W]
+        match &= self._used.index_select(0, buckets).view(n, 2 * W)
+        # When both candidates are one bucket, count its slots once.
+        match[:, W:] &= (b1 != b2)[:, None]
         found = match.any(1)
-        # A key occupies at most one slot, so the weighted sum is its slot.
-        slot = (match.to(torch.int64) * self._slot_ids).sum(1)
-        pos = torch.where(found, bucket * W + slot, -1)
+        # A key occupies at most one slot, so the weighted sum is its slot among the 2W.
+        slot = (match.to(torch.int64) * self._pair_slot_ids).sum(1)
+        bucket = torch.where(slot < W, b1, b2)
+        pos = torch.where(found, bucket * W + slot % W, -1)
         return pos, found
 
     def find(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,7 +199,7 @@ class KeyIndex:
         return torch.full_like(counts, self.step)
 
     def insert_and_evict(self, keys: torch.Tensor, scores: torch.Tensor | None = None) -> InsertResult:
-        """Find keys, insert the missing ones, evicting low-scored keys of full buckets.
+        """Find keys, insert the missing ones, evicting low-scored keys where both buckets are full.
 
         Args:
             keys (Tensor[int64]): [N] duplicates allowed.
@@ -240,8 +244,8 @@ class KeyIndex:
         if failed_keys.numel() == 0 or self.check_mode is CheckMode.COUNT:
             return
         message = (
-            f"{failed_keys.numel()} of {total} keys could not be inserted: their buckets hold only "
-            f"keys used in this batch or scored higher (score_strategy='{self.strategy}', "
+            f"{failed_keys.numel()} of {total} keys could not be inserted: both their buckets hold "
+            f"only keys used in this batch or scored higher (score_strategy='{self.strategy}', "
             f"size={self._size}, capacity={self.capacity()}). Increase capacity, or set "
             "check_mode='warn' or 'count' to continue; failed keys get their initial value and are "
             "not trained."
@@ -261,140 +265,200 @@ class KeyIndex:
             InsertResult over the U keys. The caller must call :meth:`report_failures`.
         """
         batch_scores = given if given is not None else self._batch_scores(counts)
-        while True:
-            pos, found = self._locate(unique)
-            missing = ~found
-            new_keys = unique[missing]
-            new_scores = batch_scores[missing]
-            plan = self._plan(new_keys, new_scores)
-            overflow = not bool(plan.fits.all())
-            load = (self._size + new_keys.numel()) / self.current_capacity()
-            if self.num_buckets < self.max_buckets and (overflow or load > self.max_load_factor):
-                self._grow()
-                continue
-            break
-
-        flat_scores = self._scores.view(-1)
+        pos, found = self._locate(unique)
         found_pos = pos[found]
+        flat_scores = self._scores.view(-1)
         if self.strategy is ScoreStrategy.LFU and given is None:
             flat_scores.index_add_(0, found_pos, counts[found])
         else:
             flat_scores.index_copy_(0, found_pos, batch_scores[found])
 
-        new_pos, evicted_keys, evicted_rows, evicted_scores = self._commit(plan, found_pos)
-        pos = pos.masked_scatter(missing, new_pos)
-        ok = pos >= 0
-        rows = torch.where(ok, self._rows.view(-1).index_select(0, pos.clamp(min=0)), -1)
-        failed_keys = new_keys[new_pos < 0]
-        self._stats["failed_inserts"] += failed_keys.numel()
-        return InsertResult(rows, found, ok, evicted_keys, evicted_rows, evicted_scores, failed_keys)
-
-    def _plan(self, keys: torch.Tensor, scores: torch.Tensor) -> _Plan:
-        """Where M new keys (sorted ascending) would go; pure.
-
-        Keys are ordered by (bucket, score descending, key); the r-th key of a bucket takes the
-        r-th free slot, the rest overflow.
-        """
-        M = keys.numel()
-        order = torch.arange(M, device=self.device)
-        if self.strategy in (ScoreStrategy.LFU, ScoreStrategy.CUSTOMIZED) and M:
-            order = torch.sort(scores, descending=True, stable=True).indices
-        bucket = bucket_of(mix64(keys.index_select(0, order)), self.num_buckets)
-        by_bucket = torch.sort(bucket, stable=True)
-        order = order.index_select(0, by_bucket.indices)
-        bucket = by_bucket.values  # [M]
-        idx = torch.arange(M, device=self.device)
-        is_start = torch.ones(M, dtype=torch.bool, device=self.device)
-        is_start[1:] = bucket[1:] != bucket[:-1]
-        group_start = torch.cummax(torch.where(is_start, idx, 0), 0).values if M else idx
-        rank = idx - group_start  # [M]
-        free = ~self._used.index_select(0, bucket)  # [M, W]
-        n_free = free.sum(1)
-        target = free & (free.cumsum(1) == (rank + 1)[:, None])
-        slot = (target.to(torch.int64) * self._slot_ids).sum(1)
-        return _Plan(order, keys.index_select(0, order), scores.index_select(0, order), bucket, slot, rank < n_free, rank - n_free)
-
-    def _commit(self, plan: _Plan, found_pos: torch.Tensor):
-        """Write a plan: new keys take free slots, then overflowing keys evict unlocked keys.
-
-        Returns:
-            pos (Tensor[int64]): [M] slot of each new key in the plan's input order, -1 if failed.
-            evicted keys, rows, scores (Tensor[int64]): [E] each.
-        """
-        W = self.bucket_capacity
-        fits = plan.fits
-        fit_pos = plan.bucket[fits] * W + plan.slot[fits]
-        n_fit = fit_pos.numel()
-        self._keys.view(-1).index_copy_(0, fit_pos, plan.keys[fits])
-        self._used.view(-1).index_fill_(0, fit_pos, True)
-        self._scores.view(-1).index_copy_(0, fit_pos, plan.scores[fits])
-        self._rows.view(-1).index_copy_(0, fit_pos, self.allocator.allocate(n_fit))
-        self._size += n_fit
-        self._stats["inserts"] += n_fit
-        pos_sorted = torch.where(fits, plan.bucket * W + plan.slot, -1)  # [M] in plan order
+        missing = (~found).nonzero().squeeze(1)  # [M] into unique
+        if self.strategy in (ScoreStrategy.LFU, ScoreStrategy.CUSTOMIZED) and missing.numel():
+            # Priority order: higher score first, then smaller key (unique is sorted).
+            by_score = torch.sort(batch_scores.index_select(0, missing), descending=True, stable=True)
+            missing = missing.index_select(0, by_score.indices)
+        new_keys = unique.index_select(0, missing)
+        new_scores = batch_scores.index_select(0, missing)
+        grown = False
+        while self._can_grow() and self._size + missing.numel() > self.max_load_factor * self.current_capacity():
+            self._grow()
+            grown = True
+        new_pos = torch.full_like(missing, -1)
+        pending = torch.arange(missing.numel(), device=self.device)  # [P] into missing
+        while pending.numel():
+            placed, placed_pos = self._place_free(new_keys.index_select(0, pending), new_scores.index_select(0, pending))
+            new_pos.index_copy_(0, pending[placed], placed_pos[placed])
+            pending = pending[~placed]
+            if not (pending.numel() and self._can_grow()):
+                break
+            self._grow()
+            grown = True
+        if grown:
+            # Growth moved keys: find this batch's keys again.
+            pos, _ = self._locate(unique)
+        else:
+            pos = pos.index_copy(0, missing, new_pos)
 
         evicted = (_EMPTY.to(self.device),) * 3
-        over = ~fits
-        if self.strategy is not ScoreStrategy.NO_EVICTION and bool(over.any()):
-            evicted = self._evict_for(plan, over, found_pos, fit_pos, pos_sorted)
-        pos = torch.empty_like(pos_sorted)
-        pos[plan.order] = pos_sorted
+        if pending.numel() and self.strategy is not ScoreStrategy.NO_EVICTION:
+            victim_pos, *evicted = self._evict_for(new_keys[pending], new_scores[pending], pos[pos >= 0])
+            pos.index_copy_(0, missing[pending], victim_pos)
+        ok = pos >= 0
+        rows = torch.where(ok, self._rows.view(-1).index_select(0, pos.clamp(min=0)), -1)
+        failed_keys = unique[~ok]
+        self._stats["failed_inserts"] += failed_keys.numel()
+        return InsertResult(rows, found, ok, *evicted, failed_keys)
+
+    def _can_grow(self) -> bool:
+        return self.num_buckets < self.max_buckets
+
+    def _place_free(self, keys: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Put P keys (in priority order) into free slots of their candidate buckets.
+
+        A batch places its keys in rounds, each key going to its candidate with more free slots;
+        while keys compete, a bucket takes at most half of its free slots per round, so a batch
+        spreads over both candidates the way keys inserted one by one would. Then a round fills
+        the preferred candidate completely, and a last one the other candidate.
+
+        Returns:
+            placed (Tensor[bool]): [P]
+            pos (Tensor[int64]): [P] slot taken, meaningful where placed.
+        """
+        b1, b2 = candidate_buckets(keys, self.num_buckets)
+        # Ties between equally free candidates go by a bit of the buckets, not always to bucket 1.
+        tie_second = ((b1 ^ b2) & 1).bool()
+        W = self.bucket_capacity
+        placed = torch.zeros_like(keys, dtype=torch.bool)
+        pos = torch.full_like(keys, -1)
+
+        def one_round(halve: bool, other: bool) -> int:
+            todo = (~placed).nonzero().squeeze(1)
+            if todo.numel() == 0:
+                return 0
+            t1, t2 = b1.index_select(0, todo), b2.index_select(0, todo)
+            free1 = W - self._used.index_select(0, t1).sum(1)
+            free2 = W - self._used.index_select(0, t2).sum(1)
+            second = (free2 > free1) | ((free2 == free1) & tie_second.index_select(0, todo))
+            bucket = torch.where(second ^ other, t2, t1)
+            fits, slot_pos = self._fill(keys.index_select(0, todo), scores.index_select(0, todo), bucket, halve)
+            done = todo[fits]
+            placed.index_fill_(0, done, True)
+            pos.index_copy_(0, done, slot_pos[fits])
+            return done.numel()
+
+        for _ in range(8):
+            if one_round(halve=True, other=False) == 0:
+                break
+        one_round(halve=False, other=False)
+        one_round(halve=False, other=True)
+        return placed, pos
+
+    def _fill(self, keys: torch.Tensor, scores: torch.Tensor, bucket: torch.Tensor, halve: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Give the r-th key of each bucket (in priority order) the bucket's r-th free slot.
+
+        Args:
+            keys, scores, bucket (Tensor[int64]): [P] each.
+            halve: take at most half (rounded up) of each bucket's free slots.
+        Returns:
+            fits (Tensor[bool]): [P]
+            pos (Tensor[int64]): [P] slot taken, meaningful where fits.
+        """
+        W = self.bucket_capacity
+        by_bucket = torch.sort(bucket, stable=True)
+        order, bucket = by_bucket.indices, by_bucket.values
+        n = bucket.numel()
+        idx = torch.arange(n, device=self.device)
+        is_start = torch.ones(n, dtype=torch.bool, device=self.device)
+        is_start[1:] = bucket[1:] != bucket[:-1]
+        rank = idx - torch.cummax(torch.where(is_start, idx, 0), 0).values  # [P]
+        free = ~self._used.index_select(0, bucket)  # [P, W]
+        n_free = free.sum(1)
+        fits = rank < ((n_free + 1) // 2 if halve else n_free)
+        target = free & (free.cumsum(1) == (rank + 1)[:, None])
+        pos = bucket * W + (target.to(torch.int64) * self._slot_ids).sum(1)
+        fit_pos = pos[fits]
+        fit_idx = order[fits]
+        self._keys.view(-1).index_copy_(0, fit_pos, keys.index_select(0, fit_idx))
+        self._used.view(-1).index_fill_(0, fit_pos, True)
+        self._scores.view(-1).index_copy_(0, fit_pos, scores.index_select(0, fit_idx))
+        self._rows.view(-1).index_copy_(0, fit_pos, self.allocator.allocate(fit_pos.numel()))
+        self._size += fit_pos.numel()
+        self._stats["inserts"] += fit_pos.numel()
+        out_fits = torch.zeros_like(fits).index_copy_(0, order, fits)
+        out_pos = torch.empty_like(pos).index_copy_(0, order, pos)
+        return out_fits, out_pos
+
+    def _evict_for(self, keys: torch.Tensor, scores: torch.Tensor, locked_pos: torch.Tensor):
+        """Place P keys (priority order) whose buckets are full by evicting, for each, the
+        lowest-scored unlocked key of its 2W candidate slots, if that score is not above its own.
+        Two keys wanting one victim: the earlier (higher priority) wins, the other tries again.
+
+        Returns:
+            pos (Tensor[int64]): [P] slot taken, -1 if the key failed.
+            evicted keys, rows, scores (Tensor[int64]): [E] each.
+        """
+        lock = self._lock
+        lock.index_fill_(0, locked_pos, True)
+        flat_keys, flat_scores, flat_rows = self._keys.view(-1), self._scores.view(-1), self._rows.view(-1)
+        candidates = self._candidate_slots(keys)  # [P, 2W]
+        pos = torch.full_like(keys, -1)
+        active = torch.arange(keys.numel(), device=self.device)
+        won = []
+        while active.numel():
+            cand = candidates.index_select(0, active)  # [A, 2W]
+            flat = cand.view(-1)
+            # Candidates ordered by (locked, score, bucket 1 before 2, slot): stable sorts.
+            by_score = torch.sort(flat_scores.index_select(0, flat).view(cand.shape), dim=1, stable=True)
+            locked = lock.index_select(0, flat).view(cand.shape).gather(1, by_score.indices)
+            best = torch.sort(locked.to(torch.uint8), dim=1, stable=True).indices[:, :1]  # [A, 1]
+            victim_locked = locked.gather(1, best).squeeze(1)
+            victim_score = by_score.values.gather(1, best).squeeze(1)
+            victim = cand.gather(1, by_score.indices.gather(1, best)).squeeze(1)  # [A]
+            eligible = ~victim_locked & (scores.index_select(0, active) >= victim_score)
+            active, victim = active[eligible], victim[eligible]
+            if active.numel() == 0:
+                break
+            by_victim = torch.sort(victim, stable=True)
+            first = torch.ones_like(victim, dtype=torch.bool)
+            first[1:] = by_victim.values[1:] != by_victim.values[:-1]
+            winner = torch.zeros_like(first).index_fill_(0, by_victim.indices[first], True)
+            w_keys, w_pos = active[winner], victim[winner]
+            won.append((flat_keys.index_select(0, w_pos), flat_rows.index_select(0, w_pos), flat_scores.index_select(0, w_pos)))
+            flat_keys.index_copy_(0, w_pos, keys.index_select(0, w_keys))
+            flat_scores.index_copy_(0, w_pos, scores.index_select(0, w_keys))
+            lock.index_fill_(0, w_pos, True)
+            pos.index_copy_(0, w_keys, w_pos)
+            active = active[~winner]
+        lock.index_fill_(0, locked_pos, False)
+        lock.index_fill_(0, pos[pos >= 0], False)
+        evicted = [torch.cat(parts) if won else _EMPTY.to(self.device) for parts in zip(*won)] if won else [_EMPTY.to(self.device)] * 3
+        self._stats["evictions"] += evicted[0].numel()
+        self._stats["inserts"] += evicted[0].numel()
         return (pos, *evicted)
 
-    def _evict_for(self, plan: _Plan, over, found_pos, fit_pos, pos_sorted):
-        """Give each overflowing key the slot of its bucket's lowest-scored unlocked key, if that
-        key's score is not above its own. Updates ``pos_sorted`` in place."""
-        W = self.bucket_capacity
-        bucket = plan.bucket[over]  # [O]
-        victim_rank = plan.victim_rank[over]
-        new_scores = plan.scores[over]
-        lock = self._lock
-        lock.index_fill_(0, found_pos, True)
-        lock.index_fill_(0, fit_pos, True)
-        slots = bucket[:, None] * W + self._slot_ids  # [O, W]
-        locked = lock.index_select(0, slots.view(-1)).view(slots.shape)
-        lock.index_fill_(0, found_pos, False)
-        lock.index_fill_(0, fit_pos, False)
-        # Candidates ordered by (locked, score, slot): stable sorts, least significant first.
-        by_score = torch.sort(self._scores.index_select(0, bucket), dim=1, stable=True)
-        locked = locked.gather(1, by_score.indices)
-        by_lock = torch.sort(locked.to(torch.uint8), dim=1, stable=True)
-        cand_slot = by_score.indices.gather(1, by_lock.indices)
-        cand_score = by_score.values.gather(1, by_lock.indices)
-        r = victim_rank.clamp(max=W - 1)[:, None]
-        victim_locked = by_lock.values.gather(1, r).squeeze(1).bool()
-        victim_score = cand_score.gather(1, r).squeeze(1)
-        wins = (victim_rank < W) & ~victim_locked & (new_scores >= victim_score)  # [O]
-        victim_pos = bucket[wins] * W + cand_slot.gather(1, r).squeeze(1)[wins]
-        flat_keys, flat_scores = self._keys.view(-1), self._scores.view(-1)
-        evicted_keys = flat_keys.index_select(0, victim_pos)
-        evicted_rows = self._rows.view(-1).index_select(0, victim_pos)
-        evicted_scores = flat_scores.index_select(0, victim_pos)
-        flat_keys.index_copy_(0, victim_pos, plan.keys[over][wins])
-        flat_scores.index_copy_(0, victim_pos, new_scores[wins])
-        over_idx = over.nonzero().squeeze(1)
-        pos_sorted.index_copy_(0, over_idx[wins], victim_pos)
-        self._stats["evictions"] += victim_pos.numel()
-        self._stats["inserts"] += victim_pos.numel()
-        return evicted_keys, evicted_rows, evicted_scores
-
     def _grow(self) -> None:
-        """Double the buckets and re-place every key with its row id and score."""
+        """Double the buckets and re-place every key with its row id and score; a key in old
+        bucket c (its first or second candidate) moves to that candidate's child, 2c or 2c+1."""
+        W = self.bucket_capacity
         used = self._used.view(-1).nonzero().squeeze(1)
         keys = self._keys.view(-1).index_select(0, used)
         rows = self._rows.view(-1).index_select(0, used)
         scores = self._scores.view(-1).index_select(0, used)
+        old1, _ = candidate_buckets(keys, self.num_buckets)
+        in_first = old1 == used // W
         self.num_buckets *= 2
         self._allocate_tables(self.num_buckets)
-        bucket = bucket_of(mix64(keys), self.num_buckets)
+        new1, new2 = candidate_buckets(keys, self.num_buckets)
+        bucket = torch.where(in_first, new1, new2)
         by_bucket = torch.sort(bucket, stable=True)
         bucket, order = by_bucket.values, by_bucket.indices
         n = bucket.numel()
         idx = torch.arange(n, device=self.device)
         is_start = torch.ones(n, dtype=torch.bool, device=self.device)
         is_start[1:] = bucket[1:] != bucket[:-1]
-        rank = idx - (torch.cummax(torch.where(is_start, idx, 0), 0).values if n else idx)
-        pos = bucket * self.bucket_capacity + rank
+        rank = idx - torch.cummax(torch.where(is_start, idx, 0), 0).values
+        pos = bucket * W + rank
         self._keys.view(-1).index_copy_(0, pos, keys.index_select(0, order))
         self._rows.view(-1).index_copy_(0, pos, rows.index_select(0, order))
         self._scores.view(-1).index_copy_(0, pos, scores.index_select(0, order))
