@@ -1,0 +1,172 @@
+"""Demo: train a small click model on a synthetic click log with dynamic embedding tables.
+
+    python -m dynemb.demo                 # CPU, about a minute on 2 cores
+    python -m dynemb.demo --device cuda
+
+B samples per batch, K latent dim of the planted signal, D embedding dim, T tags per sample.
+
+The click log is generated on the fly: user and item ids are Zipf-distributed ranks scrambled
+into arbitrary int64 keys, from id spaces (10^9 users, 10^8 items) far larger than the tables'
+capacities, so tables fill up and evict. Each user and item has a hidden latent vector derived
+from its id; a click happens with probability sigmoid(scale * <user, item> + item bias). The
+model (three dynamic tables + an MLP over their embeddings and their product) learns the
+head of the distribution; held-out AUC ends well above 0.5 (about 0.70 with the defaults, the
+planted signal's own AUC, its ceiling, being printed beside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+import torch
+
+import dynemb
+from dynemb.table.hashing import init_bits, mix64, unit_uniform
+
+K = 8
+
+
+def zipf_ranks(n: int, exponent: float, space: int, generator: torch.Generator) -> torch.Tensor:
+    """n ranks in [1, space] from a continuous power law approximating Zipf(exponent) ([n] int64)."""
+    u = torch.rand(n, generator=generator, dtype=torch.float64)
+    a = 1.0 - exponent
+    ranks = ((space**a - 1.0) * u + 1.0) ** (1.0 / a)
+    return ranks.floor().clamp_(1, space).to(torch.int64)
+
+
+def latent(keys: torch.Tensor, salt: int) -> torch.Tensor:
+    """Hidden unit-variance Gaussian vector of each key ([n] -> [n, K]), fixed by (salt, key)."""
+    bits = init_bits(keys, salt, 2 * K)
+    u1 = unit_uniform(bits[:, :K], torch.float32).add_(2.0**-24)
+    u2 = unit_uniform(bits[:, K:], torch.float32)
+    return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2 * math.pi * u2)
+
+
+class ClickLog:
+    """Endless synthetic click log: (user [B], item [B], tags [B, T], click [B])."""
+
+    def __init__(self, seed: int, num_tags: int = 3, scale: float = 1.5):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.num_tags = num_tags
+        self.scale = scale
+
+    def batch(self, size: int) -> tuple[torch.Tensor, ...]:
+        users = mix64(zipf_ranks(size, 1.1, 10**9, self.gen))
+        items = mix64(zipf_ranks(size, 1.1, 10**8, self.gen) + (1 << 40))
+        # Tags: a few per item, determined by the item (a bag feature shared by related items).
+        tag_ids = (items[:, None] + torch.arange(self.num_tags)) % 5000 + (1 << 50)
+        logits = self.planted_logits(users, items)
+        clicks = torch.bernoulli(torch.sigmoid(logits), generator=self.gen)
+        return users, items, tag_ids, clicks
+
+    def planted_logits(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+        dot = (latent(users, 1) * latent(items, 2)).sum(1) / math.sqrt(K)
+        bias = latent(items, 3)[:, 0] - 0.5
+        return self.scale * dot + bias
+
+
+class ClickModel(torch.nn.Module):
+    """Three dynamic tables + an MLP over [user, item, tags, user * item] embeddings."""
+
+    def __init__(self, dim: int, device: str):
+        super().__init__()
+        common = dict(device=device, check_mode="count", score_strategy="timestamp")
+        self.users = dynemb.DynamicEmbedding(dim, 1 << 17, optimizer=dynemb.optim.RowWiseAdagrad(lr=0.05), init_capacity=1 << 14, **common)
+        self.items = dynemb.DynamicEmbedding(dim, 1 << 16, optimizer=dynemb.optim.Adam(lr=3e-3), **common)
+        self.tags = dynemb.DynamicEmbeddingBag(dim, 1 << 13, mode="mean", optimizer=dynemb.optim.Adagrad(lr=0.05), **common)
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(4 * dim, 64),
+            torch.nn.ReLU(),
+            torch.nn.Linear(64, 1),
+        ).to(device)
+
+    def forward(self, users, items, tags):
+        u, i, t = self.users(users), self.items(items), self.tags(tags)
+        return self.mlp(torch.cat([u, i, t, u * i], 1)).squeeze(1)
+
+
+def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """Area under the ROC curve (Mann-Whitney U with average ranks for ties)."""
+    order = torch.argsort(scores)
+    ranks = torch.empty_like(scores, dtype=torch.float64)
+    ranks[order] = torch.arange(1, len(scores) + 1, dtype=torch.float64)
+    # Average ranks over ties.
+    uniq, inverse = torch.unique(scores, return_inverse=True)
+    sums = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inverse, ranks)
+    counts = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inverse, torch.ones_like(ranks))
+    ranks = (sums / counts)[inverse]
+    pos = labels.bool()
+    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+class Progress:
+    """One-line progress bar with steps/s and loss (plain lines when not on a terminal)."""
+
+    def __init__(self, total: int, every: int = 50):
+        self.total, self.every = total, every
+        self.start = time.perf_counter()
+        self.tty = sys.stderr.isatty()
+
+    def update(self, step: int, loss: float) -> None:
+        if not self.tty and step % self.every and step != self.total:
+            return
+        rate = step / (time.perf_counter() - self.start)
+        width = 30
+        done = int(width * step / self.total)
+        line = f"[{'#' * done}{'.' * (width - done)}] step {step}/{self.total}  {rate:6.1f} steps/s  loss {loss:.4f}"
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+        if self.tty and step == self.total:
+            print(file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> float:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--batch-size", type=int, default=1024)
+    parser.add_argument("--dim", type=int, default=16)
+    parser.add_argument("--eval-samples", type=int, default=50_000)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available on this machine")
+
+    torch.manual_seed(args.seed)
+    log = ClickLog(args.seed)
+    model = ClickModel(args.dim, args.device)
+    dense_opt = torch.optim.Adam(model.mlp.parameters(), lr=3e-3)
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    print(f"dynemb demo: {args.steps} steps x {args.batch_size} samples on {args.device}", file=sys.stderr)
+    progress = Progress(args.steps)
+    smoothed = None
+    model.train()
+    for step in range(1, args.steps + 1):
+        users, items, tags, clicks = (t.to(args.device) for t in log.batch(args.batch_size))
+        loss = loss_fn(model(users, items, tags), clicks)
+        dense_opt.zero_grad()
+        loss.backward()
+        dense_opt.step()
+        smoothed = loss.item() if smoothed is None else 0.98 * smoothed + 0.02 * loss.item()
+        progress.update(step, smoothed)
+
+    model.eval()
+    held_out = ClickLog(args.seed + 1)
+    users, items, tags, clicks = held_out.batch(args.eval_samples)
+    with torch.no_grad():
+        scores = model(users.to(args.device), items.to(args.device), tags.to(args.device)).cpu()
+    model_auc = auc(scores, clicks)
+    ceiling = auc(held_out.planted_logits(users, items), clicks)
+    print(f"held-out AUC: {model_auc:.4f}   (0.5 = chance; the planted signal itself scores {ceiling:.4f})")
+    print(f"{'table':<8}{'size':>9}{'capacity':>10}{'load':>7}{'inserts':>10}{'evictions':>11}{'failed':>8}{'growths':>9}")
+    for name in ("users", "items", "tags"):
+        s = getattr(model, name).stats()
+        print(f"{name:<8}{s['size']:>9}{s['capacity']:>10}{s['load_factor']:>7.2f}{s['inserts']:>10}{s['evictions']:>11}{s['failed_inserts']:>8}{s['growths']:>9}")
+    return model_auc
+
+
+if __name__ == "__main__":
+    main()
