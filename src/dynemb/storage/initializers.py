@@ -53,27 +53,28 @@ class RowInitializer:
             return torch.full((n, D), c.value, dtype=self.dtype, device=self.device)
         # Sample in float32 at least: 24 random bits do not fit a half mantissa.
         work = torch.float64 if self.dtype == torch.float64 else torch.float32
+        half = (D + 1) // 2
         if c.per_key:
-            bits = init_bits(keys, self.seed, D)  # [n, D]
+            # Two 24-bit uniforms from each 64-bit value halve the hashing work.
+            u1, u2 = _uniform_pair(init_bits(keys, self.seed, half), work)  # [n, D/2] each
+        else:
+            u1 = 1.0 - torch.rand((n, half), generator=self.generator, dtype=work, device=self.device)
+            u2 = torch.rand((n, half), generator=self.generator, dtype=work, device=self.device)
+        if c.kind is InitKind.NORMAL:
+            # Box-Muller: a pair of uniforms gives a pair of normals.
+            radius = u1.log_().mul_(-2.0).sqrt_()
+            angle = u2.mul_(2 * math.pi)
+            out = torch.cat([radius * torch.cos(angle), radius * torch.sin(angle)], 1)[:, :D]
+            out = out.mul_(self.std).add_(c.mean)
+        else:
+            u = torch.cat([u1.sub_(_TWO_POW_M24), u2], 1)[:, :D]  # uniform on [0, 1)
             if c.kind is InitKind.UNIFORM:
-                u = unit_uniform(bits, work)
+                out = u.mul_(self.high - self.low).add_(self.low)
             else:
-                u1, u2 = _uniform_pair(bits, work)
-        else:
-            u = torch.rand((n, D), generator=self.generator, dtype=work, device=self.device)
-            if c.kind is not InitKind.UNIFORM:
-                u1 = 1.0 - u
-                u2 = torch.rand((n, D), generator=self.generator, dtype=work, device=self.device)
-        if c.kind is InitKind.UNIFORM:
-            out = u.mul_(self.high - self.low).add_(self.low)
-        elif c.kind is InitKind.NORMAL:
-            # Box-Muller.
-            out = u1.log_().mul_(-2.0).sqrt_().mul_(torch.cos(u2.mul_(2 * math.pi))).mul_(self.std).add_(c.mean)
-        else:
-            # Inverse CDF on [Phi(a), Phi(b)]: exact truncation, no rejection loop.
-            pa = 0.5 * (1 + math.erf(c.a / math.sqrt(2)))
-            pb = 0.5 * (1 + math.erf(c.b / math.sqrt(2)))
-            p = u2.mul_(pb - pa).add_(pa).clamp_(min=1e-7, max=1 - 1e-7)
-            z = torch.erfinv(p.mul_(2).sub_(1)).mul_(math.sqrt(2)).clamp_(c.a, c.b)
-            out = z.mul_(self.std).add_(c.mean)
-        return out.to(self.dtype)
+                # Inverse CDF on [Phi(a), Phi(b)]: exact truncation, no rejection loop.
+                pa = 0.5 * (1 + math.erf(c.a / math.sqrt(2)))
+                pb = 0.5 * (1 + math.erf(c.b / math.sqrt(2)))
+                p = u.mul_(pb - pa).add_(pa).clamp_(min=1e-7, max=1 - 1e-7)
+                z = torch.erfinv(p.mul_(2).sub_(1)).mul_(math.sqrt(2)).clamp_(c.a, c.b)
+                out = z.mul_(self.std).add_(c.mean)
+        return out.to(self.dtype).contiguous() if out.dtype != self.dtype else out
