@@ -295,6 +295,10 @@ class DynamicTable(torch.nn.Module):
         """Most keys held (the configured capacity rounded up to whole buckets)."""
         return self.index.capacity()
 
+    def load_factor(self) -> float:
+        """size / currently allocated capacity."""
+        return self.index.load_factor()
+
     def stats(self) -> dict[str, int | float]:
         """size, capacity, current_capacity, load_factor, inserts, evictions, failed_inserts,
         admission_rejections, growths, step."""
