@@ -35,6 +35,8 @@ class FreeList:
 
     def allocate(self, n: int) -> torch.Tensor:
         """``n`` distinct free ids (Tensor[int64]: [n]); raises if fewer are free."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"n={n!r}: must be an int >= 0")
         if n > self.num_free():
             raise RuntimeError(f"free list: asked for {n} rows, {self.num_free()} free of {self.capacity}")
         reused = min(n, self._top)

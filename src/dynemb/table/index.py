@@ -28,6 +28,7 @@ from dynemb.table.hashing import candidate_buckets
 from dynemb.types import CheckMode, ScoreStrategy
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+_MAX_SCORE = torch.iinfo(torch.int64).max
 
 
 def plan_buckets(capacity: int, init_capacity: int | None, bucket_capacity: int) -> tuple[int, int]:
@@ -269,12 +270,15 @@ class KeyIndex:
         found_pos = pos[found]
         flat_scores = self._scores.view(-1)
         if self.strategy is ScoreStrategy.LFU and given is None:
-            flat_scores.index_add_(0, found_pos, counts[found])
+            # Saturating add: a key pinned at the largest score must not wrap to the smallest.
+            old = flat_scores.index_select(0, found_pos)
+            add = counts[found]
+            flat_scores.index_copy_(0, found_pos, torch.where(old > _MAX_SCORE - add, _MAX_SCORE, old + add))
         else:
             flat_scores.index_copy_(0, found_pos, batch_scores[found])
 
         missing = (~found).nonzero().squeeze(1)  # [M] into unique
-        if self.strategy in (ScoreStrategy.LFU, ScoreStrategy.CUSTOMIZED) and missing.numel():
+        if (given is not None or self.strategy in (ScoreStrategy.LFU, ScoreStrategy.CUSTOMIZED)) and missing.numel():
             # Priority order: higher score first, then smaller key (unique is sorted).
             by_score = torch.sort(batch_scores.index_select(0, missing), descending=True, stable=True)
             missing = missing.index_select(0, by_score.indices)
@@ -285,17 +289,26 @@ class KeyIndex:
             self._grow()
             grown = True
         new_pos = torch.full_like(missing, -1)
-        pending = torch.arange(missing.numel(), device=self.device)  # [P] into missing
+        pending = torch.arange(missing.numel(), device=self.device)  # [P] ranks into missing
         while pending.numel():
             placed, placed_pos = self._place_free(new_keys.index_select(0, pending), new_scores.index_select(0, pending))
             new_pos.index_copy_(0, pending[placed], placed_pos[placed])
             pending = pending[~placed]
-            if not (pending.numel() and self._can_grow()):
+            if pending.numel() == 0:
                 break
-            self._grow()
-            grown = True
+            if self._can_grow():
+                self._grow()
+                grown = True
+                # Growth moved keys: find this batch's placed keys again.
+                at, present = self._locate(new_keys)
+                new_pos = torch.where(present, at, -1)
+                continue
+            # Full: keys that found no free slot take slots of lower-priority keys of the batch;
+            # displaced keys go round again (their other bucket may have room).
+            pending, displaced = self._displace(new_keys, new_scores, pending, new_pos)
+            if not displaced:
+                break
         if grown:
-            # Growth moved keys: find this batch's keys again.
             pos, _ = self._locate(unique)
         else:
             pos = pos.index_copy(0, missing, new_pos)
@@ -389,15 +402,62 @@ class KeyIndex:
         out_pos = torch.empty_like(pos).index_copy_(0, order, pos)
         return out_fits, out_pos
 
+    def _displace(self, keys: torch.Tensor, scores: torch.Tensor, pending: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Restore priority after batched placement: a pending key takes the slot of the
+        lowest-priority key this batch placed in its candidate buckets, if that key ranks below
+        it; the displaced key becomes pending and may displace in turn.
+
+        Args:
+            keys, scores (Tensor[int64]): [M] new keys in priority order (index = rank).
+            pending (Tensor[int64]): [P] ranks of keys not placed.
+            pos (Tensor[int64]): [M] slot of each placed key, -1 otherwise; updated in place.
+        Returns:
+            ranks still pending (Tensor[int64], ascending) and how many keys were displaced.
+        """
+        flat_keys, flat_scores = self._keys.view(-1), self._scores.view(-1)
+        active = pending
+        displaced = 0
+        while active.numel():
+            placed = (pos >= 0).nonzero().squeeze(1)  # ranks of placed keys, ascending
+            if placed.numel() == 0:
+                break
+            by_pos = torch.sort(pos.index_select(0, placed))
+            cand = self._candidate_slots(keys.index_select(0, active))  # [A, 2W]
+            at = torch.searchsorted(by_pos.values, cand).clamp_(max=placed.numel() - 1)
+            hit = by_pos.values.index_select(0, at.view(-1)).view(cand.shape) == cand
+            rank = torch.where(hit, placed.index_select(0, by_pos.indices.index_select(0, at.view(-1))).view(cand.shape), -1)
+            victim_rank, best = rank.max(1)  # lowest-priority batch key among the candidates
+            eligible = victim_rank > active
+            active, victim_rank = active[eligible], victim_rank[eligible]
+            if active.numel() == 0:
+                break
+            victim_pos = cand[eligible].gather(1, best[eligible][:, None]).squeeze(1)
+            # Two keys wanting one slot: the higher priority (lower rank) wins; active is ascending.
+            by_victim = torch.sort(victim_pos, stable=True)
+            first = torch.ones_like(victim_pos, dtype=torch.bool)
+            first[1:] = by_victim.values[1:] != by_victim.values[:-1]
+            winner = torch.zeros_like(first).index_fill_(0, by_victim.indices[first], True)
+            w_rank, w_pos, loser_rank = active[winner], victim_pos[winner], victim_rank[winner]
+            # The winner inherits the displaced key's slot and row id.
+            flat_keys.index_copy_(0, w_pos, keys.index_select(0, w_rank))
+            flat_scores.index_copy_(0, w_pos, scores.index_select(0, w_rank))
+            pos.index_copy_(0, w_rank, w_pos)
+            pos.index_fill_(0, loser_rank, -1)
+            displaced += loser_rank.numel()
+            pending = torch.cat([pending[~torch.isin(pending, w_rank)], loser_rank])
+            active = torch.sort(torch.cat([active[~winner], loser_rank])).values
+        return torch.sort(pending).values, displaced
+
     def _evict_for(self, keys: torch.Tensor, scores: torch.Tensor, locked_pos: torch.Tensor):
         """Place P keys (priority order) whose buckets are full by evicting, for each, the
         lowest-scored unlocked key of its 2W candidate slots, if that score is not above its own.
-        Two keys wanting one victim: the earlier (higher priority) wins, the other tries again.
+        Keys proceed in priority order wherever they share a bucket; the others wait a round.
 
         Returns:
             pos (Tensor[int64]): [P] slot taken, -1 if the key failed.
             evicted keys, rows, scores (Tensor[int64]): [E] each.
         """
+        W = self.bucket_capacity
         lock = self._lock
         lock.index_fill_(0, locked_pos, True)
         flat_keys, flat_scores, flat_rows = self._keys.view(-1), self._scores.view(-1), self._rows.view(-1)
@@ -410,7 +470,9 @@ class KeyIndex:
             flat = cand.view(-1)
             # Candidates ordered by (locked, score, bucket 1 before 2, slot): stable sorts.
             by_score = torch.sort(flat_scores.index_select(0, flat).view(cand.shape), dim=1, stable=True)
-            locked = lock.index_select(0, flat).view(cand.shape).gather(1, by_score.indices)
+            # An empty slot is never a victim (free slots were offered before eviction).
+            blocked = lock.index_select(0, flat) | ~self._used.view(-1).index_select(0, flat)
+            locked = blocked.view(cand.shape).gather(1, by_score.indices)
             best = torch.sort(locked.to(torch.uint8), dim=1, stable=True).indices[:, :1]  # [A, 1]
             victim_locked = locked.gather(1, best).squeeze(1)
             victim_score = by_score.values.gather(1, best).squeeze(1)
@@ -419,10 +481,12 @@ class KeyIndex:
             active, victim = active[eligible], victim[eligible]
             if active.numel() == 0:
                 break
-            by_victim = torch.sort(victim, stable=True)
-            first = torch.ones_like(victim, dtype=torch.bool)
-            first[1:] = by_victim.values[1:] != by_victim.values[:-1]
-            winner = torch.zeros_like(first).index_fill_(0, by_victim.indices[first], True)
+            # A key waits while a higher-priority key still contends for one of its buckets (else
+            # it could take a slot that key needs next round); the top key always proceeds.
+            buckets = cand[eligible][:, [0, W]] // W  # [A, 2]
+            shared, inverse = torch.unique(buckets.reshape(-1), return_inverse=True)
+            top = torch.full_like(shared, _MAX_SCORE).scatter_reduce_(0, inverse, active.repeat_interleave(2), reduce="amin")
+            winner = (top.index_select(0, inverse).view(-1, 2) >= active[:, None]).all(1)
             w_keys, w_pos = active[winner], victim[winner]
             won.append((flat_keys.index_select(0, w_pos), flat_rows.index_select(0, w_pos), flat_scores.index_select(0, w_pos)))
             flat_keys.index_copy_(0, w_pos, keys.index_select(0, w_keys))
@@ -432,7 +496,7 @@ class KeyIndex:
             active = active[~winner]
         lock.index_fill_(0, locked_pos, False)
         lock.index_fill_(0, pos[pos >= 0], False)
-        evicted = [torch.cat(parts) if won else _EMPTY.to(self.device) for parts in zip(*won)] if won else [_EMPTY.to(self.device)] * 3
+        evicted = [torch.cat(parts) for parts in zip(*won)] if won else [_EMPTY.to(self.device)] * 3
         self._stats["evictions"] += evicted[0].numel()
         self._stats["inserts"] += evicted[0].numel()
         return (pos, *evicted)
@@ -485,14 +549,13 @@ class KeyIndex:
     def export(self, chunk_size: int = 1 << 16) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Yield (keys, rows, scores), each Tensor[int64] [K], over every held key, in chunks of
         at most ``chunk_size`` slots scanned. Do not modify the index while iterating."""
-        if not isinstance(chunk_size, int) or chunk_size < 1:
+        if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size!r}: must be an int >= 1")
-        per_chunk = max(1, chunk_size // self.bucket_capacity)
-        for start in range(0, self.num_buckets, per_chunk):
-            stop = min(start + per_chunk, self.num_buckets)
-            used = self._used[start:stop].reshape(-1)
+        keys, rows, scores, used = (t.view(-1) for t in (self._keys, self._rows, self._scores, self._used))
+        for start in range(0, used.numel(), chunk_size):
+            mask = used[start : start + chunk_size]
             yield (
-                self._keys[start:stop].reshape(-1)[used],
-                self._rows[start:stop].reshape(-1)[used],
-                self._scores[start:stop].reshape(-1)[used],
+                keys[start : start + chunk_size][mask],
+                rows[start : start + chunk_size][mask],
+                scores[start : start + chunk_size][mask],
             )

@@ -1,0 +1,113 @@
+"""Helpers for the key index tests: key pools, bucket probes and a dict model of the index.
+
+B buckets, W slots per bucket. A key lives in one of its two candidate buckets
+(``dynemb.table.hashing.candidate_buckets``); when both coincide it has only one.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from dynemb.table.hashing import candidate_buckets
+
+INT64_MIN = -(1 << 63)
+INT64_MAX = (1 << 63) - 1
+SPECIAL_KEYS = [0, -1, INT64_MIN, INT64_MAX]
+
+_candidates_cache: dict[tuple[int, int], tuple[int, int]] = {}
+
+
+def candidates(key: int, num_buckets: int) -> tuple[int, int]:
+    """(first, second) candidate bucket of ``key`` (memoised: the key pools are small)."""
+    got = _candidates_cache.get((key, num_buckets))
+    if got is None:
+        b1, b2 = candidate_buckets(torch.tensor([key], dtype=torch.int64), num_buckets)
+        got = (int(b1[0]), int(b2[0]))
+        _candidates_cache[(key, num_buckets)] = got
+    return got
+
+
+@functools.cache
+def _keys_in_bucket(num_buckets: int, n: int, target: int, start: int) -> tuple[int, ...]:
+    found: list[int] = []
+    lo = start
+    while len(found) < n:
+        cand = torch.arange(lo, lo + (1 << 16), dtype=torch.int64)
+        b1, b2 = candidate_buckets(cand, num_buckets)
+        found.extend(cand[(b1 == target) & (b2 == target)].tolist())
+        lo += 1 << 16
+    return tuple(found[:n])
+
+
+def keys_in_bucket(num_buckets: int, n: int, target: int = 0, start: int = 1) -> list[int]:
+    """The first ``n`` keys >= ``start`` whose candidate buckets are both ``target``."""
+    return list(_keys_in_bucket(num_buckets, n, target, start))
+
+
+def layout(index) -> dict[int, tuple[int, int]]:
+    """key -> (bucket, slot) of every held key.
+
+    Reads the index's private tables: the public API hides slots, and the eviction and failure
+    rules are stated in terms of buckets and slots.
+    """
+    W = index.bucket_capacity
+    used = index._used.reshape(-1).nonzero().squeeze(1)
+    keys = index._keys.reshape(-1).index_select(0, used)
+    return {k: (p // W, p % W) for k, p in zip(keys.tolist(), used.tolist())}
+
+
+def export_all(index, chunk_size: int = 1 << 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(keys, rows, scores) of every held key, concatenated over export's chunks."""
+    parts = list(index.export(chunk_size))
+    empty = torch.empty(0, dtype=torch.int64)
+    return tuple(torch.cat([p[i] for p in parts]) if parts else empty for i in range(3))
+
+
+def export_sorted(index) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """export_all sorted by key."""
+    keys, rows, scores = export_all(index)
+    order = keys.argsort()
+    return keys[order], rows[order], scores[order]
+
+
+class DictModel:
+    """What the index holds, as dicts, and the score a batch gives each key under a strategy.
+
+    ``clock`` is a logical clock for the timestamp strategy: one tick per call that uses it; the
+    tests map it to the index's nanosecond timestamps, which only have to be strictly increasing.
+    """
+
+    def __init__(self, strategy: str):
+        self.strategy = strategy
+        self.row: dict[int, int] = {}
+        self.score: dict[int, int] = {}
+        self.step = 0
+        self.clock = 0
+        self.stats = {"inserts": 0, "evictions": 0, "failed_inserts": 0, "growths": 0}
+
+    def batch_scores(self, keys: list[int], scores: list[int] | None) -> dict[int, int]:
+        """Score each distinct key of a batch gets (new keys take it; found keys see apply_found)."""
+        if scores is not None:
+            batch: dict[int, int] = {}
+            for k, s in zip(keys, scores):
+                batch[k] = max(batch.get(k, INT64_MIN), s)
+            return batch
+        if self.strategy == "lfu":
+            return {k: keys.count(k) for k in set(keys)}
+        if self.strategy == "timestamp":
+            self.clock += 1
+            return {k: self.clock for k in set(keys)}
+        if self.strategy == "customized":
+            raise ValueError("customized needs scores")
+        return {k: self.step for k in set(keys)}
+
+    def apply_found(self, keys: list[int], batch: dict[int, int], given: bool) -> None:
+        """Update the scores of the keys of a batch that were already held."""
+        for k in set(keys):
+            if k in self.row:
+                if self.strategy == "lfu" and not given:
+                    self.score[k] += keys.count(k)
+                else:
+                    self.score[k] = batch[k]

@@ -1,0 +1,91 @@
+"""FreeList: the row-id allocator behind the key index."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynemb.storage.free_list import FreeList
+
+
+def ids(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def test_allocates_fresh_ids_in_order():
+    fl = FreeList(10)
+    a = fl.allocate(4)
+    assert a.dtype == torch.int64 and torch.equal(a, ids([0, 1, 2, 3]))
+    assert torch.equal(fl.allocate(3), ids([4, 5, 6]))
+    assert fl.num_used() == 7 and fl.num_free() == 3
+    assert fl.allocate(0).numel() == 0
+    assert fl.num_used() == 7
+
+
+def test_released_ids_are_reused_before_fresh_ones():
+    fl = FreeList(10)
+    fl.allocate(6)
+    fl.release(ids([1, 4]))
+    fl.release(ids([3]))
+    assert fl.num_used() == 3 and fl.num_free() == 7
+    # Last released, first reused.
+    assert fl.allocate(1).tolist() == [3]
+    got = fl.allocate(4)
+    assert sorted(got.tolist()) == [1, 4, 6, 7]
+    assert fl.num_used() == 8
+    assert fl.state()["high_water"] == 8 and fl.state()["free"].numel() == 0
+
+
+def test_returned_ids_do_not_alias_internal_state():
+    fl = FreeList(8)
+    fl.allocate(4)
+    fl.release(ids([0, 1, 2]))
+    got = fl.allocate(2)
+    kept = got.clone()
+    # Releasing writes where the reused ids were kept; the caller's tensor must not change.
+    fl.release(ids([3]))
+    assert torch.equal(got, kept)
+    got.fill_(99)
+    assert sorted(fl.allocate(2).tolist()) == [0, 3]
+
+
+def test_every_id_handed_out_once_through_many_cycles():
+    fl = FreeList(2000)
+    held = set(fl.allocate(1500).tolist())
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        pool = torch.tensor(sorted(held))
+        back = pool[torch.randperm(pool.numel(), generator=gen)[:700]]
+        fl.release(back)
+        held -= set(back.tolist())
+        new = fl.allocate(fl.num_free() // 2).tolist()
+        assert len(set(new)) == len(new) and not set(new) & held
+        assert all(0 <= i < 2000 for i in new)
+        held |= set(new)
+        assert fl.num_used() == len(held)
+
+
+def test_exhaustion_raises_and_keeps_state():
+    fl = FreeList(4)
+    fl.allocate(3)
+    with pytest.raises(RuntimeError, match="asked for 2 rows, 1 free of 4"):
+        fl.allocate(2)
+    assert fl.num_used() == 3 and fl.num_free() == 1
+    assert fl.allocate(1).tolist() == [3]
+    with pytest.raises(RuntimeError):
+        fl.allocate(1)
+    fl.release(ids([2]))
+    assert fl.allocate(1).tolist() == [2]
+
+
+def test_negative_count_is_rejected():
+    fl = FreeList(4)
+    with pytest.raises((ValueError, RuntimeError), match="-1"):
+        fl.allocate(-1)
+    assert fl.num_free() == 4 and fl.num_used() == 0
+
+
+@pytest.mark.parametrize("capacity", [0, -1, 2.5, None])
+def test_bad_capacity(capacity):
+    with pytest.raises(ValueError, match=f"capacity={capacity}"):
+        FreeList(capacity)
