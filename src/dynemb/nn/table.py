@@ -20,7 +20,7 @@ from dynemb.optim.base import RowOptimizer
 from dynemb.storage.device_store import DeviceRowStore
 from dynemb.storage.initializers import RowInitializer
 from dynemb.table.base import InsertResult
-from dynemb.table.index import KeyIndex, rounded_capacity
+from dynemb.table.index import KeyIndex, check_keys, rounded_capacity
 from dynemb.types import ScoreStrategy
 
 
@@ -121,13 +121,7 @@ class DynamicTable(torch.nn.Module):
         self.custom_score = score
 
     def _check_ids(self, ids: torch.Tensor, name: str = "ids") -> torch.Tensor:
-        if not isinstance(ids, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor of int64, got {type(ids).__name__}")
-        if ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"{name}.dtype={ids.dtype}: must be torch.int64 (or int32)")
-        if ids.device != self.device:
-            raise ValueError(f"{name}.device={ids.device}: this table lives on {self.device}")
-        return ids.reshape(-1).to(torch.int64)
+        return check_keys(ids, name, self.device)
 
     def _given_scores(self, n: int) -> torch.Tensor | None:
         if self.index.strategy is not ScoreStrategy.CUSTOMIZED:

@@ -31,6 +31,28 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 _MAX_SCORE = torch.iinfo(torch.int64).max
 
 
+def check_keys(keys: torch.Tensor, name: str, device: torch.device) -> torch.Tensor:
+    """Validate int64 (or int32) keys of any shape on ``device``; returns them flat ([N] int64)."""
+    if not isinstance(keys, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int64, got {type(keys).__name__}")
+    if keys.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name}.dtype={keys.dtype}: must be torch.int64 (or int32)")
+    if keys.device != device:
+        raise ValueError(f"{name}.device={keys.device}: the table lives on {device}")
+    return keys.reshape(-1).to(torch.int64)
+
+
+def _group_by_bucket(bucket: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stable sort of bucket ids ([P] int64) -> (order, sorted buckets, rank within its bucket)."""
+    by_bucket = torch.sort(bucket, stable=True)
+    sorted_bucket = by_bucket.values
+    idx = torch.arange(sorted_bucket.numel(), device=bucket.device)
+    is_start = torch.ones_like(sorted_bucket, dtype=torch.bool)
+    is_start[1:] = sorted_bucket[1:] != sorted_bucket[:-1]
+    rank = idx - torch.cummax(torch.where(is_start, idx, 0), 0).values
+    return by_bucket.indices, sorted_bucket, rank
+
+
 def plan_buckets(capacity: int, init_capacity: int | None, bucket_capacity: int) -> tuple[int, int]:
     """(initial buckets, maximum buckets) so that max = initial * 2**k and max*W >= capacity."""
     init = capacity if init_capacity is None else init_capacity
@@ -135,13 +157,7 @@ class KeyIndex:
         }
 
     def _check_keys(self, keys: torch.Tensor, name: str = "keys") -> torch.Tensor:
-        if not isinstance(keys, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor of int64, got {type(keys).__name__}")
-        if keys.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"{name}.dtype={keys.dtype}: must be torch.int64 (or int32)")
-        if keys.device != self.device:
-            raise ValueError(f"{name}.device={keys.device}: the index lives on {self.device}")
-        return keys.reshape(-1).to(torch.int64)
+        return check_keys(keys, name, self.device)
 
     def _candidate_slots(self, keys: torch.Tensor) -> torch.Tensor:
         """Flat positions of the 2W candidate slots of each key ([N] -> [N, 2W]), bucket 1 first."""
@@ -378,13 +394,7 @@ class KeyIndex:
             pos (Tensor[int64]): [P] slot taken, meaningful where fits.
         """
         W = self.bucket_capacity
-        by_bucket = torch.sort(bucket, stable=True)
-        order, bucket = by_bucket.indices, by_bucket.values
-        n = bucket.numel()
-        idx = torch.arange(n, device=self.device)
-        is_start = torch.ones(n, dtype=torch.bool, device=self.device)
-        is_start[1:] = bucket[1:] != bucket[:-1]
-        rank = idx - torch.cummax(torch.where(is_start, idx, 0), 0).values  # [P]
+        order, bucket, rank = _group_by_bucket(bucket)  # [P] each
         free = ~self._used.index_select(0, bucket)  # [P, W]
         n_free = free.sum(1)
         fits = rank < ((n_free + 1) // 2 if halve else n_free)
@@ -515,13 +525,7 @@ class KeyIndex:
         self._allocate_tables(self.num_buckets)
         new1, new2 = candidate_buckets(keys, self.num_buckets)
         bucket = torch.where(in_first, new1, new2)
-        by_bucket = torch.sort(bucket, stable=True)
-        bucket, order = by_bucket.values, by_bucket.indices
-        n = bucket.numel()
-        idx = torch.arange(n, device=self.device)
-        is_start = torch.ones(n, dtype=torch.bool, device=self.device)
-        is_start[1:] = bucket[1:] != bucket[:-1]
-        rank = idx - torch.cummax(torch.where(is_start, idx, 0), 0).values
+        order, bucket, rank = _group_by_bucket(bucket)
         pos = bucket * W + rank
         self._keys.view(-1).index_copy_(0, pos, keys.index_select(0, order))
         self._rows.view(-1).index_copy_(0, pos, rows.index_select(0, order))
