@@ -115,7 +115,6 @@ class KeyIndex:
         self._last_timestamp = 0
         self._size = 0
         self._slot_ids = torch.arange(bucket_capacity, device=self.device)
-        self._pair_slot_ids = torch.arange(2 * bucket_capacity, device=self.device)
         self._allocate_tables(self.num_buckets)
         self.last_failed_keys = _EMPTY.to(self.device)
         self._stats = {"inserts": 0, "evictions": 0, "failed_inserts": 0, "growths": 0}
@@ -173,11 +172,9 @@ class KeyIndex:
         n = keys.numel()
         match = torch.eq(self._keys.index_select(0, buckets).view(n, 2 * W), keys[:, None])  # [N, 2W]
         match &= self._used.index_select(0, buckets).view(n, 2 * W)
-        # When both candidates are one bucket, count its slots once.
-        match[:, W:] &= (b1 != b2)[:, None]
         found = match.any(1)
-        # A key occupies at most one slot, so the weighted sum is its slot among the 2W.
-        slot = (match.to(torch.int64) * self._pair_slot_ids).sum(1)
+        # First matching slot among the 2W (when both candidates are one bucket it matches twice).
+        slot = match.view(torch.uint8).argmax(1)
         bucket = torch.where(slot < W, b1, b2)
         pos = torch.where(found, bucket * W + slot % W, -1)
         return pos, found
@@ -399,7 +396,7 @@ class KeyIndex:
         n_free = free.sum(1)
         fits = rank < ((n_free + 1) // 2 if halve else n_free)
         target = free & (free.cumsum(1) == (rank + 1)[:, None])
-        pos = bucket * W + (target.to(torch.int64) * self._slot_ids).sum(1)
+        pos = bucket * W + target.view(torch.uint8).argmax(1)
         fit_pos = pos[fits]
         fit_idx = order[fits]
         self._keys.view(-1).index_copy_(0, fit_pos, keys.index_select(0, fit_idx))
