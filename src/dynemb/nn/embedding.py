@@ -46,8 +46,7 @@ class DynamicEmbedding(DynamicTable):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (Tensor[int64]): [*] -> Tensor [*, D]."""
-        emb, inverse = self.lookup(ids)
-        return F.embedding(inverse, emb)
+        return self.lookup_sequence(ids)
 
 
 class DynamicEmbeddingBag(DynamicTable):

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 
 from dynemb.config import TableConfig
 from dynemb.nn.admission import FrequencyAdmission
@@ -47,6 +48,26 @@ class _FusedUpdate(torch.autograd.Function):
         ctx.table._apply_gradients(ctx.batch, grad)
         ctx.table = ctx.batch = None
         return None, None, None
+
+
+class _FusedSequence(torch.autograd.Function):
+    """Sequence lookup ([U, D] rows expanded to [*, D]) whose backward sums the gradient per key
+    and applies the table's optimizer."""
+
+    @staticmethod
+    def forward(ctx, trigger, table, batch, inverse):
+        ctx.table, ctx.batch, ctx.inverse = table, batch, inverse
+        D = table.embedding_dim
+        return batch.data[:, :D].index_select(0, inverse.reshape(-1)).view(*inverse.shape, D)
+
+    @staticmethod
+    def backward(ctx, grad):
+        table, batch = ctx.table, ctx.batch
+        D = table.embedding_dim
+        grad_u = table._sum_per_key(ctx.inverse.reshape(-1), grad.reshape(-1, D), batch.keys.numel())
+        table._apply_gradients(batch, grad_u)
+        ctx.table = ctx.batch = ctx.inverse = None
+        return None, None, None, None
 
 
 class DynamicTable(torch.nn.Module):
@@ -95,6 +116,7 @@ class DynamicTable(torch.nn.Module):
         self.custom_score: int | None = None
         # Bumped by every write to rows or index; backward re-finds keys when it changed.
         self._version = 0
+        self._grad_buffer: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -132,10 +154,12 @@ class DynamicTable(torch.nn.Module):
 
     def _new_rows(self, keys: torch.Tensor) -> torch.Tensor:
         """Initial rows [n, D+S] of keys [n]."""
+        embeddings = self.initializer(keys)  # [n, D]
+        if not self.state_dim:
+            return embeddings
         rows = torch.empty(keys.numel(), self.store.width, dtype=self.config.dtype, device=self.device)
-        rows[:, : self.embedding_dim] = self.initializer(keys)
-        if self.optimizer is not None and self.state_dim:
-            self.optimizer.init_state(rows[:, self.embedding_dim :])
+        rows[:, : self.embedding_dim] = embeddings
+        self.optimizer.init_state(rows[:, self.embedding_dim :])
         return rows
 
     def _upsert(self, keys: torch.Tensor, counts: torch.Tensor, given: torch.Tensor | None) -> InsertResult:
@@ -166,14 +190,11 @@ class DynamicTable(torch.nn.Module):
         ok = torch.zeros_like(candidate).index_copy_(0, sel, r.ok)
         return rows, ok
 
-    def lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Embeddings of the unique ids and how to expand them.
+    def _gather_batch(self, ids: torch.Tensor) -> tuple[_Batch, torch.Tensor]:
+        """De-duplicate ids, resolve them (inserting in training) and gather their rows.
 
-        Args:
-            ids (Tensor[int64]): [*] any shape.
-        Returns:
-            embeddings (Tensor): [U, D], requiring grad when training with an optimizer.
-            inverse (Tensor[int64]): [*] (ids' shape) index of each id into ``embeddings``.
+        Returns the batch (unique keys [U], rows [U], in-table flags [U], rows data [U, D+S]) and
+        the inverse ([*], ids' shape) of each id into the unique keys.
         """
         flat = self._check_ids(ids)
         keys, inverse, counts = torch.unique(flat, sorted=True, return_inverse=True, return_counts=True)
@@ -191,12 +212,46 @@ class DynamicTable(torch.nn.Module):
             else:
                 fill = torch.full((missing.numel(), D), self.config.eval_default, dtype=data.dtype, device=self.device)
             data[:, :D].index_copy_(0, missing, fill)
-        if self.training and self.optimizer is not None and torch.is_grad_enabled():
+        return _Batch(keys, rows, ok, data, self._version), inverse.view(ids.shape)
+
+    def _trains(self) -> bool:
+        return self.training and self.optimizer is not None and torch.is_grad_enabled()
+
+    def lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embeddings of the unique ids and how to expand them.
+
+        Args:
+            ids (Tensor[int64]): [*] any shape.
+        Returns:
+            embeddings (Tensor): [U, D], requiring grad when training with an optimizer.
+            inverse (Tensor[int64]): [*] (ids' shape) index of each id into ``embeddings``.
+        """
+        batch, inverse = self._gather_batch(ids)
+        if self._trains():
             trigger = torch.empty(0, device=self.device, requires_grad=True)
-            emb = _FusedUpdate.apply(trigger, self, _Batch(keys, rows, ok, data, self._version))
-        else:
-            emb = data[:, :D]
-        return emb, inverse.view(ids.shape)
+            return _FusedUpdate.apply(trigger, self, batch), inverse
+        return batch.data[:, : self.embedding_dim], inverse
+
+    def lookup_sequence(self, ids: torch.Tensor) -> torch.Tensor:
+        """One embedding per id: ids [*] -> [*, D]; in training, backward updates the rows."""
+        batch, inverse = self._gather_batch(ids)
+        if self._trains():
+            trigger = torch.empty(0, device=self.device, requires_grad=True)
+            return _FusedSequence.apply(trigger, self, batch, inverse)
+        return F.embedding(inverse, batch.data[:, : self.embedding_dim])
+
+    def _sum_per_key(self, inverse: torch.Tensor, grad: torch.Tensor, num_keys: int) -> torch.Tensor:
+        """Gradient summed per unique key: inverse [N], grad [N, D] -> [U, D].
+
+        Sums into a buffer kept between steps (a fresh [U, D] tensor page-faults on CPU); the
+        result is consumed by the fused update before the next backward can reuse it.
+        """
+        D = self.embedding_dim
+        buf = self._grad_buffer
+        if buf is None or buf.shape[0] < num_keys or buf.dtype != grad.dtype:
+            buf = torch.empty(max(num_keys, 1), D, dtype=grad.dtype, device=grad.device)
+            self._grad_buffer = buf
+        return buf[:num_keys].zero_().index_add_(0, inverse, grad)
 
     def _apply_gradients(self, batch: _Batch, grad: torch.Tensor) -> None:
         """One optimizer step on the batch's in-table rows with grad [U, D] summed per key."""

@@ -10,17 +10,11 @@ import math
 import torch
 
 from dynemb.config import Initializer
-from dynemb.table.hashing import init_bits, unit_uniform
+from dynemb.table.hashing import init_bits, unit_uniform_pair
 from dynemb.types import InitKind
 
-_TWO_POW_M24 = 2.0**-24
-
-
-def _uniform_pair(bits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two independent uniforms from 64 bits: u1 in (0, 1] from bits 40..63, u2 in [0, 1) from 16..39."""
-    u1 = unit_uniform(bits, dtype).add_(_TWO_POW_M24)
-    u2 = ((bits >> 16) & 0xFFFFFF).to(dtype).mul_(_TWO_POW_M24)
-    return u1, u2
+# Keeps log() finite and uniforms below 1: float rounding can give exactly 0 or 1.
+_TINY = 2.0**-24
 
 
 class RowInitializer:
@@ -55,8 +49,10 @@ class RowInitializer:
         work = torch.float64 if self.dtype == torch.float64 else torch.float32
         half = (D + 1) // 2
         if c.per_key:
-            # Two 24-bit uniforms from each 64-bit value halve the hashing work.
-            u1, u2 = _uniform_pair(init_bits(keys, self.seed, half), work)  # [n, D/2] each
+            # Two uniforms from each 64-bit value halve the hashing work.
+            u1, u2 = unit_uniform_pair(init_bits(keys, self.seed, half), work)  # [n, D/2] each
+            u1.clamp_(min=_TINY)
+            u2.clamp_(max=1 - _TINY)
         else:
             u1 = 1.0 - torch.rand((n, half), generator=self.generator, dtype=work, device=self.device)
             u2 = torch.rand((n, half), generator=self.generator, dtype=work, device=self.device)
@@ -67,7 +63,7 @@ class RowInitializer:
             out = torch.cat([radius * torch.cos(angle), radius * torch.sin(angle)], 1)[:, :D]
             out = out.mul_(self.std).add_(c.mean)
         else:
-            u = torch.cat([u1.sub_(_TWO_POW_M24), u2], 1)[:, :D]  # uniform on [0, 1)
+            u = torch.cat([u1.clamp_(max=1 - _TINY), u2], 1)[:, :D]  # uniform on [0, 1)
             if c.kind is InitKind.UNIFORM:
                 out = u.mul_(self.high - self.low).add_(self.low)
             else:
