@@ -10,7 +10,8 @@ import math
 import torch
 
 from dynemb.config import Initializer
-from dynemb.table.hashing import init_bits, unit_uniform_pair
+from dynemb.table.hashing import init_bits
+from dynemb.table.workspace import Workspace
 from dynemb.types import InitKind
 
 # Keeps log() finite and uniforms below 1: float rounding can give exactly 0 or 1.
@@ -39,38 +40,48 @@ class RowInitializer:
         self.std = bound if config.std is None else config.std
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self._workspace = Workspace(device)
 
     def __call__(self, keys: torch.Tensor) -> torch.Tensor:
-        """Initial embeddings of keys (Tensor[int64]: [n]) -> [n, D]."""
+        """Initial embeddings of keys (Tensor[int64]: [n]) -> [n, D].
+
+        The result may be a view of a buffer that the next call overwrites: consume it first.
+        """
         n, D, c = keys.numel(), self.dim, self.config
         if c.kind is InitKind.CONSTANT:
             return torch.full((n, D), c.value, dtype=self.dtype, device=self.device)
         # Sample in float32 at least: 24 random bits do not fit a half mantissa.
         work = torch.float64 if self.dtype == torch.float64 else torch.float32
         half = (D + 1) // 2
+        out = self._workspace.get("out", n, (2 * half,), work)
+        u1, u2 = out[:, :half], out[:, half:]  # [n, D/2] each
         if c.per_key:
-            # Two uniforms from each 64-bit value halve the hashing work.
-            u1, u2 = unit_uniform_pair(init_bits(keys, self.seed, half), work)  # [n, D/2] each
-            u1.clamp_(min=_TINY)
-            u2.clamp_(max=1 - _TINY)
+            # Two uniforms from each 64-bit value halve the hashing work: one from its high bits,
+            # one from bits 0..39 shifted up; float conversion keeps the leading bits.
+            bits = init_bits(keys, self.seed, half, out=self._workspace.get("bits", n, (half,), torch.int64))
+            u1.copy_(bits).mul_(2.0**-64).add_(0.5)
+            u2.copy_(bits.bitwise_left_shift_(24)).mul_(2.0**-64).add_(0.5)
         else:
-            u1 = 1.0 - torch.rand((n, half), generator=self.generator, dtype=work, device=self.device)
-            u2 = torch.rand((n, half), generator=self.generator, dtype=work, device=self.device)
+            u1.uniform_(generator=self.generator)
+            u2.uniform_(generator=self.generator)
+        u1.clamp_(min=_TINY, max=1 - _TINY)
+        u2.clamp_(min=0.0, max=1 - _TINY)
         if c.kind is InitKind.NORMAL:
-            # Box-Muller: a pair of uniforms gives a pair of normals.
+            # Box-Muller: a pair of uniforms gives a pair of normals (r sin t, r cos t).
             radius = u1.log_().mul_(-2.0).sqrt_()
             angle = u2.mul_(2 * math.pi)
-            out = torch.cat([radius * torch.cos(angle), radius * torch.sin(angle)], 1)[:, :D]
-            out = out.mul_(self.std).add_(c.mean)
+            sin = torch.sin(angle)
+            angle.cos_().mul_(radius)
+            radius.mul_(sin)
+            out.mul_(self.std).add_(c.mean)
+        elif c.kind is InitKind.UNIFORM:
+            out.mul_(self.high - self.low).add_(self.low)
         else:
-            u = torch.cat([u1.clamp_(max=1 - _TINY), u2], 1)[:, :D]  # uniform on [0, 1)
-            if c.kind is InitKind.UNIFORM:
-                out = u.mul_(self.high - self.low).add_(self.low)
-            else:
-                # Inverse CDF on [Phi(a), Phi(b)]: exact truncation, no rejection loop.
-                pa = 0.5 * (1 + math.erf(c.a / math.sqrt(2)))
-                pb = 0.5 * (1 + math.erf(c.b / math.sqrt(2)))
-                p = u.mul_(pb - pa).add_(pa).clamp_(min=1e-7, max=1 - 1e-7)
-                z = torch.erfinv(p.mul_(2).sub_(1)).mul_(math.sqrt(2)).clamp_(c.a, c.b)
-                out = z.mul_(self.std).add_(c.mean)
-        return out.to(self.dtype).contiguous() if out.dtype != self.dtype else out
+            # Inverse CDF on [Phi(a), Phi(b)]: exact truncation, no rejection loop.
+            pa = 0.5 * (1 + math.erf(c.a / math.sqrt(2)))
+            pb = 0.5 * (1 + math.erf(c.b / math.sqrt(2)))
+            out.mul_(pb - pa).add_(pa).clamp_(min=1e-7, max=1 - 1e-7)
+            out.mul_(2).sub_(1).erfinv_().mul_(math.sqrt(2)).clamp_(c.a, c.b)
+            out.mul_(self.std).add_(c.mean)
+        result = out[:, :D]
+        return result.to(self.dtype) if self.dtype != work else result

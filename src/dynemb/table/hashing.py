@@ -67,36 +67,29 @@ def rank_of(mixed: torch.Tensor, world_size: int) -> torch.Tensor:
     return ((mixed & _MASK32) * world_size) >> 32
 
 
-def init_bits(keys: torch.Tensor, seed: int, columns: int) -> torch.Tensor:
+def init_bits(keys: torch.Tensor, seed: int, columns: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Per (key, column) 64 pseudo-random bits that depend on (seed, key, column) only.
 
     The key is mixed once, then multiplied by a distinct odd constant per column (multiplicative
     hashing): one int64 multiply per value, which is what makes per-key initialisation cheap.
-    Use the high bits (as :func:`unit_uniform` and :func:`unit_uniform_pair` do): low bits of a
-    product only depend on low bits of its factors.
+    Use the high bits (as :func:`unit_uniform` does): low bits of a product only depend on low
+    bits of its factors.
 
     Args:
         keys (Tensor[int64]): [N]
         seed: any int.
         columns: D.
+        out (Tensor[int64] | None): [N, D] to write into.
     Returns:
         Tensor[int64]: [N, D]
     """
     salt = _signed((seed * _GOLDEN + 0x632BE59BD9B4E019) & ((1 << 64) - 1))
     base = mix64(keys ^ salt)  # [N]
     col = mix64(torch.arange(columns, device=keys.device, dtype=torch.int64) ^ ~salt) | 1  # [D], odd
-    return base[:, None] * col
+    return torch.mul(base[:, None], col, out=out) if out is not None else base[:, None] * col
 
 
 def unit_uniform(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Map 64-bit values to floats uniform on [0, 1) using their top 24 bits ([*] -> [*])."""
     return (_shr(bits, 40).to(dtype)).mul_(2.0**-24)
 
-
-def unit_uniform_pair(bits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two uniforms on [0, 1] from each 64-bit value: one from its high bits, one from bits
-    0..39 (shifted up). Converting the signed value to float keeps its leading bits, so each
-    costs a conversion and a multiply-add ([*] -> two [*])."""
-    u1 = bits.to(dtype).mul_(2.0**-64).add_(0.5)
-    u2 = (bits << 24).to(dtype).mul_(2.0**-64).add_(0.5)
-    return u1, u2

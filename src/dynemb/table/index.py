@@ -25,6 +25,7 @@ import torch
 from dynemb.errors import InsertionError
 from dynemb.table.base import InsertResult, RowAllocator
 from dynemb.table.hashing import candidate_buckets
+from dynemb.table.workspace import Workspace
 from dynemb.types import CheckMode, ScoreStrategy
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -115,6 +116,7 @@ class KeyIndex:
         self._last_timestamp = 0
         self._size = 0
         self._slot_ids = torch.arange(bucket_capacity, device=self.device)
+        self._workspace = Workspace(self.device)
         self._allocate_tables(self.num_buckets)
         self.last_failed_keys = _EMPTY.to(self.device)
         self._stats = {"inserts": 0, "evictions": 0, "failed_inserts": 0, "growths": 0}
@@ -170,8 +172,11 @@ class KeyIndex:
         b1, b2 = candidate_buckets(keys, self.num_buckets)
         buckets = torch.stack([b1, b2], 1).view(-1)  # [2N]
         n = keys.numel()
-        match = torch.eq(self._keys.index_select(0, buckets).view(n, 2 * W), keys[:, None])  # [N, 2W]
-        match &= self._used.index_select(0, buckets).view(n, 2 * W)
+        ws = self._workspace
+        cand = torch.index_select(self._keys, 0, buckets, out=ws.get("cand", 2 * n, (W,), torch.int64))
+        used = torch.index_select(self._used, 0, buckets, out=ws.get("used", 2 * n, (W,), torch.bool))
+        match = torch.eq(cand.view(n, 2 * W), keys[:, None], out=ws.get("match", n, (2 * W,), torch.bool))
+        match &= used.view(n, 2 * W)
         found = match.any(1)
         # First matching slot among the 2W (when both candidates are one bucket it matches twice).
         slot = match.view(torch.uint8).argmax(1)
