@@ -1,0 +1,265 @@
+"""dynemb benchmarks: one entry point for the named workloads.
+
+    python benchmarks/run.py                     # W1 and W2, full size (~5 min on 2 CPU cores)
+    python benchmarks/run.py --quick             # smoke run (< 1 min)
+    python benchmarks/run.py --workload W1 --steps 10 --repeats 3
+
+W1  train step, Zipf(1.05) int64 ids, D=128: dynemb vs torch.nn.Embedding(sparse=True), steps/s.
+W2  KeyIndex find / find_or_insert at load 0.5 and 0.9 vs a Python dict (and a sorted array), keys/s.
+
+Every contender is measured against its reference in the same process and repeat; records are
+appended as JSON lines to --out and summarised as a table (see docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import harness
+import torch
+import w1_train_step
+import w2_index
+
+DEFAULT_OUT = harness.REPO / "benchmarks" / "results" / "results.jsonl"
+DOCS = harness.REPO / "docs" / "benchmarks.md"
+# Allocators to run under (DESIGN.md: the allocator changes CPU train steps by up to 2.4x). The
+# process re-executes itself with the setting, so every contender of a run shares it.
+JEMALLOC_PATHS = (
+    "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
+    "/lib/x86_64-linux-gnu/libjemalloc.so.2",
+    "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2",
+)
+# glibc keeping freed memory: never mmap (a fresh mmap of a 32 MiB [65536, 128] fp32 tensor
+# page-faults on every step), never trim the heap.
+GLIBC_KEEP = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
+# Each allocator's latest figures live between their own markers in docs/benchmarks.md.
+DOCS_MARKERS = "<!-- results{tag}:begin -->", "<!-- results{tag}:end -->"
+
+# (steps, repeats) per workload; W1 also warms up and profiles a few steps.
+FULL = {"W1": (20, 7), "W2": (30, 5)}
+QUICK = {"W1": (3, 2), "W2": (5, 2)}
+DEFAULT_MAX_RETRIES = 3
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", choices=("W1", "W2", "all"), default="all")
+    p.add_argument("--steps", type=int, help="timed steps (W1) or calls (W2) per repeat and contender")
+    p.add_argument("--repeats", type=int, help="repeats; each times every contender once")
+    p.add_argument("--quick", action="store_true", help="few steps and repeats: a smoke run")
+    p.add_argument("--no-profile", action="store_true", help="skip W1's phase profile of the dynemb step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--allocator",
+        choices=("default", "jemalloc", "glibc-keep"),
+        default="default",
+        help="run under jemalloc (LD_PRELOAD) or glibc tuned to keep freed memory; default: as started",
+    )
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON lines file results are appended to")
+    p.add_argument(
+        "--max-retries",
+        type=int,
+        help=f"noisy repeats (others > 5%% of CPUs) to redo; default: min(--repeats, {DEFAULT_MAX_RETRIES})",
+    )
+    p.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0,
+        metavar="SECONDS",
+        help="first wait up to SECONDS for other processes to leave the CPUs idle",
+    )
+    p.add_argument(
+        "--update-docs", action="store_true", help=f"rewrite the results section of {DOCS.relative_to(harness.REPO)}"
+    )
+    args = p.parse_args(argv)
+    for name, least in (("steps", 1), ("repeats", 1), ("max_retries", 0)):
+        value = getattr(args, name)
+        if value is not None and value < least:
+            p.error(f"--{name.replace('_', '-')}={value}: must be >= {least}")
+    return args
+
+
+def _sizes(args: argparse.Namespace, workload: str) -> tuple[int, int]:
+    steps, repeats = (QUICK if args.quick else FULL)[workload]
+    return args.steps or steps, args.repeats or repeats
+
+
+def _max_retries(args: argparse.Namespace, repeats: int) -> int:
+    """Noisy repeats that may be discarded and redone (each W1 retry also moves the table on by
+    ``steps`` batches of the stream, so the default is small)."""
+    return min(repeats, DEFAULT_MAX_RETRIES) if args.max_retries is None else args.max_retries
+
+
+def _noise_line(records: list[dict]) -> str:
+    """How much other processes used the CPUs during the repeats kept, and how many were redone."""
+    shares, discarded = [], 0
+    for r in records:
+        extra = r.get("extra", {})
+        if r.get("ratio") and "others_cpu_share" in extra:
+            shares += [s for s in extra["others_cpu_share"] if s is not None]
+            discarded += extra["discarded"]
+    if not shares:
+        return "Other processes' CPU use during the repeats: not measured"
+    return (
+        f"Other processes used at most {max(shares):.1%} of the CPU time during any kept repeat "
+        f"(threshold {harness.NOISY:.0%}); {discarded} noisy repeat(s) discarded and redone"
+    )
+
+
+def _docs_section(records: list[dict], env: dict, command: str, seconds: float) -> str:
+    header = harness.SUMMARY_HEADER
+    lines = [
+        f"Command: `{command}`  ",
+        f"Date: {records[0]['timestamp'] if records else harness.now_iso()} (UTC), wall time {seconds:.0f} s  ",
+        f"Commit: `{env['commit']}`" + (" with uncommitted changes" if env["src_dirty"] else "") + "  ",
+        (
+            f"Machine: {env['cpus']} CPU cores ({env['cpu_model']}), torch {env['torch']} with {env['threads']} "
+            f"threads, allocator {env['allocator']}, Python {env['python']}  "
+        ),
+        _noise_line(records),
+        "",
+        harness.markdown_table(header, harness.summary_rows(records)),
+    ]
+    w1 = [r for r in records if r["workload"] == "W1" and r["contender"] == "dynemb"]
+    if w1:
+        lines += [
+            "",
+            (
+                f"W1: {w1[0]['extra']['ids_per_step']} ids per step; the reference table has "
+                f"{w1[0]['extra']['reference_rows']} rows (every key of the pre-generated stream)."
+            ),
+        ]
+        for r in w1:
+            e, s = r["extra"], r["extra"]["stats"]
+            lines.append(
+                f"dynemb {r['case']}: timed steps had {e['unique_keys_per_step']:.0f} unique / "
+                f"{e['new_keys_per_step']:.0f} new keys per step; "
+                f"table after them: size {s['size']}, load factor {s['load_factor']:.3f}, inserts {s['inserts']}, "
+                f"evictions {s['evictions']}, failed inserts {s['failed_inserts']}; "
+                f"parity max abs diff {e['parity_max_abs_diff']:.1e}."
+            )
+    prof = [r for r in records if r["workload"] == "W1-profile"]
+    if prof:
+        cases = list(dict.fromkeys(r["case"] for r in prof))
+        by_phase: dict[str, dict[str, dict]] = {}
+        for r in prof:
+            by_phase.setdefault(r["contender"].removeprefix("dynemb:"), {})[r["case"]] = r
+        others = max((r["extra"].get("others_cpu_share") or 0.0) for r in prof)
+        lines += [
+            "",
+            (
+                "W1 dynemb step, exclusive wall time per phase, median over the profiled steps (others used at "
+                f"most {others:.0%} of the CPUs); a phase's own time excludes the phases nested in it, so the "
+                "column adds up to the step:"
+            ),
+            "",
+        ]
+        header = ["phase"] + [f"{c}: ms (share)" for c in cases]
+        rows = []
+        for phase, per_case in by_phase.items():
+            depth = phase.count("/")
+            name = (
+                "· " * depth
+                + phase.rsplit("/", 1)[-1]
+                + (" (own)" if any(p.startswith(phase + "/") for p in by_phase) else "")
+            )
+            cells = [
+                f"{per_case[c]['median'] * 1e3:.1f} ({per_case[c]['extra']['share']:.0%})" if c in per_case else ""
+                for c in cases
+            ]
+            rows.append([name] + cells)
+        totals = [
+            f"{sum(per_case[c]['median'] for per_case in by_phase.values() if c in per_case) * 1e3:.1f}" for c in cases
+        ]
+        rows.append(["**sum**"] + totals)
+        lines.append(harness.markdown_table(header, rows))
+    return "\n".join(lines)
+
+
+def update_docs(section: str, allocator: str) -> None:
+    """Replace the figures between this allocator's markers (appending them if absent)."""
+    tag = "" if allocator == "default" else f"-{allocator}"
+    begin_mark, end_mark = (m.format(tag=tag) for m in DOCS_MARKERS)
+    text = DOCS.read_text()
+    if begin_mark not in text:
+        text = text.rstrip("\n") + f"\n\n### Under `--allocator {allocator}`\n\n{begin_mark}\n{end_mark}\n"
+    begin, end = text.index(begin_mark) + len(begin_mark), text.index(end_mark)
+    DOCS.write_text(text[:begin] + "\n" + section + "\n" + text[end:])
+
+
+def _reexec_with_allocator(choice: str) -> None:
+    """Restart this process under the chosen allocator, once (the marker stops a loop)."""
+    if choice == "default" or os.environ.get("DYNEMB_BENCH_ALLOCATOR") == choice:
+        return
+    env = dict(os.environ, DYNEMB_BENCH_ALLOCATOR=choice)
+    if choice == "jemalloc":
+        path = next((p for p in JEMALLOC_PATHS if os.path.exists(p)), None)
+        if path is None:
+            sys.exit(
+                f"--allocator jemalloc: libjemalloc.so.2 not found in {JEMALLOC_PATHS} (apt-get install libjemalloc2)"
+            )
+        env["LD_PRELOAD"] = path
+    else:
+        env["GLIBC_TUNABLES"] = GLIBC_KEEP
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    _reexec_with_allocator(args.allocator)
+    torch.manual_seed(args.seed)
+    env = harness.environment()
+    command = "python benchmarks/run.py" + ("" if not argv else " " + shlex.join(argv))
+    if not Path(env["dynemb_path"]).is_relative_to(harness.REPO / "src"):
+        command = f"PYTHONPATH={Path(env['dynemb_path']).parent} {command}"
+    print(
+        f"dynemb from {env['dynemb_path']} at {env['commit']}{' (modified)' if env['src_dirty'] else ''}: "
+        f"torch {env['torch']}, {env['threads']} threads, {env['cpu_model']}"
+    )
+    before = harness.wait_quiet(args.wait_quiet)
+    if before is not None and before > harness.NOISY:
+        print(f"warning: other processes use {before:.0%} of the CPUs; figures will be noisy", file=sys.stderr)
+    load = harness.OthersLoad()
+    t0 = time.perf_counter()
+    records: list[dict] = []
+    if args.workload in ("W1", "all"):
+        steps, repeats = _sizes(args, "W1")
+        cfg = w1_train_step.W1Config(
+            steps=steps,
+            repeats=repeats,
+            warmup=2 if args.quick else 5,
+            profile_steps=0 if args.no_profile else (2 if args.quick else 5),
+            max_retries=_max_retries(args, repeats),
+            seed=args.seed,
+        )
+        records += w1_train_step.run(cfg, env)
+    if args.workload in ("W2", "all"):
+        steps, repeats = _sizes(args, "W2")
+        records += w2_index.run(
+            w2_index.W2Config(steps=steps, repeats=repeats, max_retries=_max_retries(args, repeats), seed=args.seed),
+            env,
+        )
+    seconds = time.perf_counter() - t0
+    # Whole run, waits for quiet included; the per-repeat shares are in each record's extra.
+    env["others_cpu_share_whole_run"] = load.share()
+    print(_noise_line(records))
+    for rec in records:
+        rec["command"] = command
+        rec["quick"] = args.quick
+    harness.append_jsonl(args.out, records)
+    print()
+    print(harness.text_table(harness.SUMMARY_HEADER, harness.summary_rows(records)))
+    print(f"\n{len(records)} records appended to {args.out} ({seconds:.0f} s)")
+    if args.update_docs:
+        update_docs(_docs_section(records, env, command, seconds), args.allocator)
+        print(f"updated {DOCS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

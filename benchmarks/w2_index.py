@@ -1,0 +1,230 @@
+"""W2, index micro-benchmark: dynemb.KeyIndex find / find_or_insert at load factors 0.5 and 0.9.
+
+N keys per call, C index capacity, P keys present in the index.
+
+The index (C = 2**22 slots, the default bucket width, timestamp scores, check_mode='count') is filled with
+random int64 keys to the target load factor; then, per repeat, ``steps`` calls of N keys are
+timed. ``find`` queries present keys drawn uniformly (with repeats); ``find_or_insert`` queries
+the same mix with a fraction NEW_FRACTION of never-seen keys. After each timed find_or_insert
+call the new keys are erased (untimed), so every call runs at the target load factor.
+
+References, measured in the same repeat on the same queries:
+* ``dict``: a Python dict key -> row id holding the same P keys, called as a user with tensors
+  would: ``keys.tolist()``, ``d.get`` / ``d.setdefault`` per key, ``torch.tensor`` of the rows.
+* ``sorted-array`` (find only): the P keys sorted once, ``torch.searchsorted`` + equality check
+  + row gather; a static index, the usual vectorised torch way to map known keys to rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import time
+
+import torch
+from harness import OthersLoad, paired_ratio, quiet_repeats, record, settle
+from keygen import distinct_keys
+
+import dynemb
+from dynemb.storage.free_list import FreeList
+from dynemb.table.index import rounded_capacity
+
+KEYS_PER_CALL = 65536
+CAPACITY = 1 << 22
+# The index's own default bucket width, so W2 measures the configuration users get.
+BUCKET_CAPACITY = inspect.signature(dynemb.KeyIndex).parameters["bucket_capacity"].default
+LOAD_FACTORS = (0.5, 0.9)
+NEW_FRACTION = 0.1
+# Fill keys come from scramble(0 ..), never-seen query keys from scramble(NEW_BASE ..): disjoint.
+NEW_BASE = 1 << 40
+FILL_SLACK = 4096
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class W2Config:
+    steps: int  # timed calls per repeat and contender
+    repeats: int
+    max_retries: int  # repeats that may be discarded because other processes loaded the CPUs
+    seed: int = 0
+
+
+class DictIndex:
+    """The dict reference: key -> row id, new keys get the next row ids."""
+
+    def __init__(self, keys: torch.Tensor, rows: torch.Tensor):
+        self.d = dict(zip(keys.tolist(), rows.tolist()))
+        self.next_row = int(rows.max()) + 1 if rows.numel() else 0
+
+    def find(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        get = self.d.get
+        rows = torch.tensor([get(k, -1) for k in keys.tolist()], dtype=torch.int64)
+        return rows, rows >= 0
+
+    def find_or_insert(self, keys: torch.Tensor) -> torch.Tensor:
+        # Position-based candidate ids are distinct, so each new key gets its own row id.
+        setdefault, base = self.d.setdefault, self.next_row
+        rows = torch.tensor([setdefault(k, base + i) for i, k in enumerate(keys.tolist())], dtype=torch.int64)
+        self.next_row += keys.numel()
+        return rows
+
+    def erase(self, keys: torch.Tensor) -> None:
+        pop = self.d.pop
+        for k in keys.tolist():
+            pop(k, None)
+
+
+class SortedArrayIndex:
+    """The static reference for find: sorted keys [P] and their rows [P]."""
+
+    def __init__(self, keys: torch.Tensor, rows: torch.Tensor):
+        self.keys, order = torch.sort(keys)
+        self.rows = rows.index_select(0, order)
+
+    def find(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.searchsorted(self.keys, keys).clamp_(max=self.keys.numel() - 1)  # [N]
+        found = self.keys.index_select(0, pos) == keys
+        rows = torch.where(found, self.rows.index_select(0, pos), -1)
+        return rows, found
+
+
+def _fill(index: dynemb.KeyIndex, target: float, next_key: int) -> int:
+    """Insert fresh keys until ``index`` reaches load factor ``target``; returns the next key rank."""
+    goal = int(target * index.capacity())
+    while index.size() < goal:
+        # A call adds at most n keys (those that land in full buckets evict instead), so the
+        # load overshoots the target by at most FILL_SLACK / capacity.
+        n = min(KEYS_PER_CALL, max(goal - index.size(), FILL_SLACK))
+        index.find_or_insert(distinct_keys(next_key, n))
+        next_key += n
+    return next_key
+
+
+def _present(index: dynemb.KeyIndex) -> tuple[torch.Tensor, torch.Tensor]:
+    chunks = list(index.export(1 << 20))
+    return torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks])
+
+
+def _keys_per_second(op, queries: list[torch.Tensor], after=None) -> tuple[float, float | None]:
+    """Keys/s of ``op(q)`` over the queries (``after(i)`` runs untimed after call i), and other
+    processes' CPU share meanwhile."""
+    settle()
+    load = OthersLoad()
+    elapsed = 0.0
+    for i, q in enumerate(queries):
+        t0 = time.perf_counter()
+        op(q)
+        elapsed += time.perf_counter() - t0
+        if after is not None:
+            after(i)
+    return sum(q.numel() for q in queries) / elapsed, load.share()
+
+
+class _Session:
+    """The index at one load factor, its references, and the query stream of its repeats."""
+
+    def __init__(self, cfg: W2Config, index: dynemb.KeyIndex, load: float, gen: torch.Generator, next_new: int, log):
+        self.cfg, self.index, self.load, self.gen, self.next_new, self.log = cfg, index, load, gen, next_new, log
+        keys, rows = _present(index)
+        self.dict_index, self.sorted_index = DictIndex(keys, rows), SortedArrayIndex(keys, rows)
+        self.found_fraction: list[float] = []
+
+    def _sample(self, present: torch.Tensor, n: int) -> torch.Tensor:
+        return present.index_select(0, torch.randint(present.numel(), (n,), generator=self.gen))
+
+    def repeat(self, attempt: int) -> tuple[dict[tuple[str, str], float], list[float | None]]:
+        """Time every (op, contender) on fresh queries, in alternating order; returns keys/s and
+        other processes' CPU share during each."""
+        cfg, index = self.cfg, self.index
+        # Present keys only: a find_or_insert of the previous repeat may have evicted some.
+        present, _ = _present(index)
+        finds = [self._sample(present, KEYS_PER_CALL) for _ in range(cfg.steps)]
+        upserts, fresh = [], []
+        n_new = int(NEW_FRACTION * KEYS_PER_CALL)
+        for _ in range(cfg.steps):
+            fresh.append(distinct_keys(self.next_new, n_new))
+            self.next_new += n_new
+            q = torch.cat([self._sample(present, KEYS_PER_CALL - n_new), fresh[-1]])
+            upserts.append(q.index_select(0, torch.randperm(KEYS_PER_CALL, generator=self.gen)))
+        found = sum(int(index.find(q)[1].sum()) for q in upserts)
+        self.found_fraction.append(found / (cfg.steps * KEYS_PER_CALL))
+        d, sa = self.dict_index, self.sorted_index
+        runs = [
+            (("find", "dynemb"), index.find, finds, None),
+            (("find", "dict"), d.find, finds, None),
+            (("find", "sorted-array"), sa.find, finds, None),
+            (("find_or_insert", "dynemb"), index.find_or_insert, upserts, lambda i: index.erase(fresh[i])),
+            (("find_or_insert", "dict"), d.find_or_insert, upserts, lambda i: d.erase(fresh[i])),
+        ]
+        order = runs if attempt % 2 == 0 else runs[::-1]
+        measured = {key: _keys_per_second(op, queries, after) for key, op, queries, after in order}
+        rates = {key: rate for key, (rate, _) in measured.items()}
+        summary = ", ".join(f"{op}/{c} {v / 1e6:.2f}M keys/s" for (op, c), v in rates.items())
+        self.log(f"W2 load {self.load} attempt {attempt}: {summary}")
+        return rates, [share for _, share in measured.values()]
+
+
+def run(cfg: W2Config, env: dict, log=print) -> list[dict]:
+    gen = torch.Generator().manual_seed(cfg.seed)
+    capacity = rounded_capacity(CAPACITY, None, BUCKET_CAPACITY)
+    index = dynemb.KeyIndex(
+        capacity=capacity, allocator=FreeList(capacity), bucket_capacity=BUCKET_CAPACITY, check_mode="count"
+    )
+    next_key, next_new = 0, NEW_BASE
+    records = []
+    for load in LOAD_FACTORS:
+        t0 = time.perf_counter()
+        next_key = _fill(index, load, next_key)
+        session = _Session(cfg, index, load, gen, next_new, log)
+        fill_stats = index.stats()
+        log(
+            f"W2 load {load}: filled to {index.load_factor():.3f} ({index.size()} keys, "
+            f"{fill_stats['evictions']} evictions so far) and built references in {time.perf_counter() - t0:.1f} s"
+        )
+        results, noise = quiet_repeats(session.repeat, cfg.repeats, cfg.max_retries, log)
+        next_new = session.next_new
+        rates = {key: [r[key] for r in results] for key in results[0]}
+        end_stats = index.stats()
+        extra = {
+            "load_factor_target": load,
+            "load_factor_after_fill": fill_stats["load_factor"],
+            "load_factor_at_end": end_stats["load_factor"],
+            "find_or_insert_new_fraction": NEW_FRACTION,
+            "find_or_insert_found_fraction": sum(session.found_fraction) / len(session.found_fraction),
+            "evictions_during_find_or_insert": end_stats["evictions"] - fill_stats["evictions"],
+            "keys_per_call": KEYS_PER_CALL,
+            "steps": cfg.steps,
+            "repeats": cfg.repeats,
+            **noise,
+            "capacity": capacity,
+            "bucket_capacity": BUCKET_CAPACITY,
+        }
+        for op in ("find", "find_or_insert"):
+            refs = ("dict", "sorted-array") if op == "find" else ("dict",)
+            case = f"{op}@{load}"
+            ratios = {ref: paired_ratio(rates[(op, "dynemb")], rates[(op, ref)], ref) for ref in refs}
+            records.append(
+                record(
+                    workload="W2",
+                    case=case,
+                    contender="dynemb.KeyIndex",
+                    unit="keys/s",
+                    values=rates[(op, "dynemb")],
+                    env=env,
+                    ratio=ratios["dict"],
+                    extra={**extra, "ratios": ratios},
+                )
+            )
+            for ref in refs:
+                records.append(
+                    record(
+                        workload="W2",
+                        case=case,
+                        contender=ref,
+                        unit="keys/s",
+                        values=rates[(op, ref)],
+                        env=env,
+                        extra=extra,
+                    )
+                )
+        del session
+    return records
