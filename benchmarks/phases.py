@@ -64,12 +64,10 @@ class PhaseTimer:
 # (owner, attribute, phase name). Private index methods differ between versions of the index;
 # those a version lacks are skipped, and their time shows up in the calling phase.
 _PHASES = (
-    ("table", "lookup", "lookup"),
+    ("table", "_gather_batch", "lookup"),
     ("table", "_upsert", "upsert"),
     ("index", "upsert_unique", "index.upsert_unique"),
     ("index", "_locate", "index._locate"),
-    ("index", "_plan", "index._plan"),
-    ("index", "_commit", "index._commit"),
     ("index", "_place_free", "index._place_free"),
     ("index", "_fill", "index._fill"),
     ("index", "_displace", "index._displace"),
@@ -80,6 +78,7 @@ _PHASES = (
     ("store", "allocate", "store.allocate"),
     ("store", "gather", "store.gather"),
     ("store", "scatter", "store.scatter"),
+    ("table", "_sum_per_key", "sum_per_key"),
     ("table", "_apply_gradients", "apply_gradients"),
     ("optimizer", "update", "optimizer.update"),
 )
