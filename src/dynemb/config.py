@@ -15,6 +15,20 @@ def _require(ok: bool, field: str, value, why: str) -> None:
         raise ValueError(f"{field}={value!r}: {why}")
 
 
+def resolve_device(device: torch.device | str, field: str = "device") -> torch.device:
+    """A torch.device with its index filled in for CUDA (tensors report ``cuda:0``, not ``cuda``)."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{field}={device!r}: not a torch device") from None
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
 def _require_int(field: str, value, minimum: int) -> None:
     _require(
         isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
@@ -52,6 +66,10 @@ class Initializer:
 
     def __post_init__(self):
         object.__setattr__(self, "kind", InitKind.parse(self.kind, "initializer.kind"))
+        for name in ("low", "high", "std"):
+            v = getattr(self, name)
+            if v is not None:
+                _require(isinstance(v, (int, float)) and math.isfinite(v), f"initializer.{name}", v, "must be a finite number")
         if self.low is not None and self.high is not None:
             _require(self.low < self.high, "initializer.low", self.low, f"must be < high={self.high}")
         if self.std is not None:
@@ -149,14 +167,6 @@ class TableConfig:
             "must be a finite number",
         )
         _require(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed", self.seed, "must be an int")
-        _require(
-            isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point,
-            "dtype",
-            self.dtype,
-            "must be a floating torch.dtype",
-        )
-        try:
-            device = torch.device(self.device)
-        except (RuntimeError, TypeError):
-            raise ValueError(f"device={self.device!r}: not a torch device") from None
-        object.__setattr__(self, "device", device)
+        # float16's range loses the optimizers' eps (1e-8 rounds to 0): 0/0 would poison rows.
+        _require(self.dtype in _DTYPES, "dtype", self.dtype, "must be torch.float32, torch.float64 or torch.bfloat16")
+        object.__setattr__(self, "device", resolve_device(self.device))

@@ -279,3 +279,67 @@ def _export(t):
     keys = torch.cat([c["keys"] for c in chunks]).tolist()
     rows = torch.cat([torch.cat([c["embeddings"], c["optimizer_state"]], 1) for c in chunks])
     return keys, rows
+
+
+def test_insert_detaches_values():
+    t = table()
+    t.insert(torch.tensor([1, 2]), torch.randn(2, D, requires_grad=True))
+    assert not t.store.data.requires_grad and t.store.data.grad_fn is None
+
+
+def test_insert_raise_keeps_given_values_for_keys_that_fit():
+    t = dynemb.DynamicEmbedding(2, 4, bucket_capacity=2, score_strategy="no_eviction")
+    with pytest.raises(dynemb.InsertionError) as err:
+        t.insert(torch.arange(10), torch.full((10, 2), 7.0))
+    values, found = t.find(torch.arange(10))
+    assert int(found.sum()) == 10 - err.value.failed_keys.numel() > 0
+    assert bool((values[found] == 7.0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn])
+def test_low_precision_dtypes_rejected(dtype):
+    with pytest.raises(ValueError, match="dtype=torch.float"):
+        dynemb.DynamicEmbedding(D, 64, dtype=dtype)
+
+
+def test_bfloat16_table_trains_without_nan():
+    t = dynemb.DynamicEmbedding(D, 64, optimizer=dynemb.optim.Adam(), dtype=torch.bfloat16)
+    (t(torch.tensor([1, 2])) * 0).sum().backward()
+    values, _ = t.find(torch.tensor([1, 2]))
+    assert bool(torch.isfinite(values).all())
+
+
+@pytest.mark.parametrize(
+    "init,match",
+    [
+        (dict(kind="normal", std=float("inf")), "initializer.std=inf"),
+        (dict(low=float("-inf")), "initializer.low=-inf"),
+    ],
+)
+def test_initializer_rejects_non_finite(init, match):
+    with pytest.raises(ValueError, match=match):
+        dynemb.Initializer(**init)
+
+
+def test_initializer_rejects_one_bound_past_the_default_other():
+    with pytest.raises(ValueError, match="initializer.low=5.0"):
+        dynemb.DynamicEmbedding(D, 64, initializer=dynemb.Initializer(low=5.0))
+
+
+def test_bag_rejects_bad_input_before_touching_the_table():
+    bag = dynemb.DynamicEmbeddingBag(D, 64, mode="mean", optimizer=dynemb.optim.SGD(lr=0.1))
+    with pytest.raises(ValueError, match="per_sample_weights needs mode='sum'"):
+        bag(torch.tensor([1, 2, 3]), torch.tensor([0, 2]), per_sample_weights=torch.ones(3))
+    with pytest.raises(ValueError, match="offsets=.*len\\(ids\\)=4"):
+        bag(torch.tensor([1, 2, 3, 4]), torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match="offsets=.*must start at 0"):
+        bag(torch.tensor([1, 2, 3, 4]), torch.tensor([1, 2]))
+    assert bag.size() == 0 and bag.step == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_table_accepts_cuda_ids():
+    t = dynemb.DynamicEmbedding(D, 64, optimizer=dynemb.optim.SGD(lr=0.1), device="cuda")
+    t(torch.tensor([1, 2], device="cuda")).sum().backward()
+    assert t.size() == 2

@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dynemb.config import Admission, Initializer, TableConfig
+from dynemb.config import TableConfig
 from dynemb.nn.table import DynamicTable
 from dynemb.optim.base import RowOptimizer
-from dynemb.types import CheckMode, PoolingMode, ScoreStrategy
+from dynemb.types import PoolingMode
 
 
 def _config(embedding_dim, capacity, kwargs) -> TableConfig:
@@ -73,6 +73,20 @@ class DynamicEmbeddingBag(DynamicTable):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, mode='{self.mode}'"
 
+    def _check_offsets(self, offsets: torch.Tensor, n: int) -> None:
+        """Reject offsets torch would reject, before the lookup changes the table."""
+        if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"offsets must be a 1-D int64 tensor, got {offsets!r}")
+        if offsets.numel() == 0:
+            return
+        # One host sync: a bad offset would otherwise fail inside embedding_bag after keys were inserted.
+        first, last = int(offsets[0]), int(offsets[-1])
+        monotone = bool((offsets[1:] >= offsets[:-1]).all())
+        if first != 0 or last > n or not monotone:
+            raise ValueError(f"offsets={offsets.tolist() if offsets.numel() <= 16 else '...'}: must start at 0, be non-decreasing and not exceed len(ids)={n}")
+        if self.include_last_offset and last != n:
+            raise ValueError(f"offsets[-1]={last}: with include_last_offset it must equal len(ids)={n}")
+
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         """ids [N] + offsets [B(+1)], or ids [B, L] -> Tensor [B, D]."""
         if isinstance(ids, torch.Tensor) and ids.dim() == 1 and offsets is None:
@@ -81,8 +95,13 @@ class DynamicEmbeddingBag(DynamicTable):
             raise ValueError("offsets must be None when ids is 2-D [B, L]")
         if isinstance(ids, torch.Tensor) and ids.dim() not in (1, 2):
             raise ValueError(f"ids.dim()={ids.dim()}: must be 1 (with offsets) or 2")
-        if per_sample_weights is not None and per_sample_weights.shape != ids.shape:
-            raise ValueError(f"per_sample_weights.shape={tuple(per_sample_weights.shape)} must equal ids.shape={tuple(ids.shape)}")
+        if per_sample_weights is not None:
+            if self.mode is not PoolingMode.SUM:
+                raise ValueError(f"per_sample_weights needs mode='sum', this bag uses mode='{self.mode}'")
+            if per_sample_weights.shape != ids.shape:
+                raise ValueError(f"per_sample_weights.shape={tuple(per_sample_weights.shape)} must equal ids.shape={tuple(ids.shape)}")
+        if offsets is not None:
+            self._check_offsets(offsets, ids.numel())
         emb, inverse = self.lookup(ids)
         return F.embedding_bag(
             inverse,

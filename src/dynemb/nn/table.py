@@ -162,15 +162,17 @@ class DynamicTable(torch.nn.Module):
         self.optimizer.init_state(rows[:, self.embedding_dim :])
         return rows
 
-    def _upsert(self, keys: torch.Tensor, counts: torch.Tensor, given: torch.Tensor | None) -> InsertResult:
-        """find_or_insert of unique sorted keys; new rows are initialised before failures are reported."""
+    def _upsert(self, keys: torch.Tensor, counts: torch.Tensor, given: torch.Tensor | None, report: bool = True) -> InsertResult:
+        """find_or_insert of unique sorted keys; new rows are initialised before failures are
+        reported (``report=False``: the caller reports once it has written its own values)."""
         result = self.index.upsert_unique(keys, counts, given)
         inserted = result.inserted
         if bool(inserted.any()):
             new = inserted.nonzero().squeeze(1)
             self.store.scatter(result.rows.index_select(0, new), self._new_rows(keys.index_select(0, new)))
         self._version += 1
-        self.index.report_failures(result.failed_keys, keys.numel())
+        if report:
+            self.index.report_failures(result.failed_keys, keys.numel())
         return result
 
     def _resolve_train(self, keys: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,10 +318,13 @@ class DynamicTable(torch.nn.Module):
             given = s.index_select(0, order)
         elif self.index.strategy is ScoreStrategy.CUSTOMIZED:
             given = self._given_scores(unique.numel())
-        values = values.to(device=self.device, dtype=self.config.dtype).index_select(0, order)
-        result = self._upsert(unique, counts, given)
+        values = values.detach().to(device=self.device, dtype=self.config.dtype).index_select(0, order)
+        self.index.step = self.step
+        result = self._upsert(unique, counts, given, report=False)
         ok = result.ok.nonzero().squeeze(1)
         self.store.scatter(result.rows.index_select(0, ok), values.index_select(0, ok))
+        # Keys that did fit hold the caller's values before a failure is raised.
+        self.index.report_failures(result.failed_keys, unique.numel())
         return result.ok.index_select(0, inverse)
 
     def erase(self, keys: torch.Tensor) -> torch.Tensor:

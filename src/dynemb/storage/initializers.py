@@ -38,6 +38,8 @@ class RowInitializer:
         self.low = -bound if config.low is None else config.low
         self.high = bound if config.high is None else config.high
         self.std = bound if config.std is None else config.std
+        if not self.low < self.high:
+            raise ValueError(f"initializer.low={self.low!r}, high={self.high!r}: need low < high (an unset bound is -/+ 1/sqrt(D) = {bound:.4g})")
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self._workspace = Workspace(device)

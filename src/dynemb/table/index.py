@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 import torch
 
+from dynemb.config import resolve_device
 from dynemb.errors import InsertionError
 from dynemb.table.base import InsertResult, RowAllocator
 from dynemb.table.hashing import candidate_buckets
@@ -107,7 +108,7 @@ class KeyIndex:
             raise ValueError(f"max_load_factor={max_load_factor!r}: must be in (0, 1]")
         self.strategy = ScoreStrategy.parse(score_strategy, "score_strategy")
         self.check_mode = CheckMode.parse(check_mode, "check_mode")
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.bucket_capacity = bucket_capacity
         self.max_load_factor = float(max_load_factor)
         self.allocator = allocator
