@@ -343,3 +343,16 @@ def test_cuda_table_accepts_cuda_ids():
     t = dynemb.DynamicEmbedding(D, 64, optimizer=dynemb.optim.SGD(lr=0.1), device="cuda")
     t(torch.tensor([1, 2], device="cuda")).sum().backward()
     assert t.size() == 2
+
+
+def test_admitted_key_that_fails_keeps_its_count():
+    t = table(capacity=4, bucket_capacity=4, score_strategy="no_eviction", check_mode="count", admission=dynemb.Admission(threshold=2))
+    with torch.no_grad():
+        t(torch.tensor([1, 2, 3, 4] * 2))
+        assert t.size() == 4
+        t(torch.tensor([9, 9]))  # admitted, but the table is full: fails
+        assert t.last_failed_keys.tolist() == [9]
+        t.erase(torch.tensor([1]))
+        t(torch.tensor([9]))  # one more sighting is enough: its count was kept
+    _, found = t.find(torch.tensor([9]))
+    assert bool(found.all())

@@ -36,7 +36,8 @@ class FrequencyAdmission:
         self.rejections = 0
 
     def admit(self, keys: torch.Tensor, counts: torch.Tensor, step: int) -> torch.Tensor:
-        """Record sightings and say which keys are admitted; admitted keys leave the counter.
+        """Record sightings and say which keys are admitted (they stay counted until
+        :meth:`forget`, so a key whose insert fails keeps its count).
 
         Args:
             keys (Tensor[int64]): [n] distinct, sorted keys missing from the table.
@@ -52,6 +53,9 @@ class FrequencyAdmission:
         total = previous + counts
         self.counts.index_copy_(0, rows[r.ok], total[r.ok])
         admitted = total >= self.threshold
-        self.index.erase(keys[admitted & r.ok])
         self.rejections += int((~admitted).sum())
         return admitted
+
+    def forget(self, keys: torch.Tensor) -> None:
+        """Drop the counts of keys now in the table (Tensor[int64]: [n])."""
+        self.index.erase(keys)

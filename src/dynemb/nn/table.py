@@ -187,7 +187,9 @@ class DynamicTable(torch.nn.Module):
         if missing.numel():
             candidate[missing] = self.admission.admit(keys[missing], counts[missing], self.step)
         sel = candidate.nonzero().squeeze(1)
-        r = self._upsert(keys[sel], counts[sel], None if given is None else given[sel])
+        r = self._upsert(keys[sel], counts[sel], None if given is None else given[sel], report=False)
+        self.admission.forget(keys[sel][r.inserted])
+        self.index.report_failures(r.failed_keys, sel.numel())
         rows = torch.full_like(keys, -1).index_copy_(0, sel, r.rows)
         ok = torch.zeros_like(candidate).index_copy_(0, sel, r.ok)
         return rows, ok
