@@ -22,6 +22,7 @@ from dynemb.storage.device_store import DeviceRowStore
 from dynemb.storage.initializers import RowInitializer
 from dynemb.table.base import InsertResult
 from dynemb.table.index import KeyIndex, check_keys, rounded_capacity
+from dynemb.table.workspace import Workspace
 from dynemb.types import ScoreStrategy
 
 
@@ -116,7 +117,7 @@ class DynamicTable(torch.nn.Module):
         self.custom_score: int | None = None
         # Bumped by every write to rows or index; backward re-finds keys when it changed.
         self._version = 0
-        self._grad_buffer: torch.Tensor | None = None
+        self._workspace = Workspace(config.device)
 
     @property
     def device(self) -> torch.device:
@@ -250,12 +251,8 @@ class DynamicTable(torch.nn.Module):
         Sums into a buffer kept between steps (a fresh [U, D] tensor page-faults on CPU); the
         result is consumed by the fused update before the next backward can reuse it.
         """
-        D = self.embedding_dim
-        buf = self._grad_buffer
-        if buf is None or buf.shape[0] < num_keys or buf.dtype != grad.dtype:
-            buf = torch.empty(max(num_keys, 1), D, dtype=grad.dtype, device=grad.device)
-            self._grad_buffer = buf
-        return buf[:num_keys].zero_().index_add_(0, inverse, grad)
+        buf = self._workspace.get("grad", num_keys, (self.embedding_dim,), grad.dtype)
+        return buf.zero_().index_add_(0, inverse, grad)
 
     def _apply_gradients(self, batch: _Batch, grad: torch.Tensor) -> None:
         """One optimizer step on the batch's in-table rows with grad [U, D] summed per key."""
