@@ -26,7 +26,7 @@ from harness import OthersLoad, paired_ratio, quiet_repeats, record, settle
 from keygen import distinct_keys
 
 import dynemb
-from dynemb.storage.free_list import FreeList
+from dynemb.table.free_list import FreeList
 from dynemb.table.index import rounded_capacity
 
 KEYS_PER_CALL = 65536

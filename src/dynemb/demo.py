@@ -24,7 +24,7 @@ import time
 import torch
 
 import dynemb
-from dynemb.table.hashing import init_bits, mix64, unit_uniform
+from dynemb.hashing import init_bits, mix64, unit_uniform
 
 K = 8
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dynemb
-from dynemb.table.hashing import mix64
+from dynemb.hashing import mix64
 
 V, D, STEPS = 50, 8, 30
 

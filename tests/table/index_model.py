@@ -1,7 +1,7 @@
 """Helpers for the key index tests: key pools, bucket probes and a dict model of the index.
 
 B buckets, W slots per bucket. A key lives in one of its two candidate buckets
-(``dynemb.table.hashing.candidate_buckets``); when both coincide it has only one.
+(``dynemb.hashing.candidate_buckets``); when both coincide it has only one.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from dynemb.table.hashing import candidate_buckets
+from dynemb.hashing import candidate_buckets
 
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1

@@ -28,7 +28,7 @@ from index_model import (
 )
 
 from dynemb import InsertionError, KeyIndex
-from dynemb.storage.free_list import FreeList
+from dynemb.table.free_list import FreeList
 from dynemb.table.index import plan_buckets, rounded_capacity
 
 W = 4

@@ -29,7 +29,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from index_model import INT64_MAX, INT64_MIN, DictModel, candidates, export_all, layout
 
 from dynemb import KeyIndex
-from dynemb.storage.free_list import FreeList
+from dynemb.table.free_list import FreeList
 from dynemb.table.index import plan_buckets
 
 POOL = [

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from dynemb.config import Admission
-from dynemb.storage.free_list import FreeList
+from dynemb.table.free_list import FreeList
 from dynemb.table.index import KeyIndex, rounded_capacity
 from dynemb.types import CheckMode, ScoreStrategy
 

@@ -22,7 +22,7 @@ from dynemb.storage.device_store import DeviceRowStore
 from dynemb.storage.initializers import RowInitializer
 from dynemb.table.base import InsertResult
 from dynemb.table.index import KeyIndex, check_keys, rounded_capacity
-from dynemb.table.workspace import Workspace
+from dynemb.workspace import Workspace
 from dynemb.types import ScoreStrategy
 
 

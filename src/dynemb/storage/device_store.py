@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from dynemb.storage.free_list import FreeList
+from dynemb.table.free_list import FreeList
 
 
 class DeviceRowStore:

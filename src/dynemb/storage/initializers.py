@@ -10,8 +10,8 @@ import math
 import torch
 
 from dynemb.config import Initializer
-from dynemb.table.hashing import init_bits
-from dynemb.table.workspace import Workspace
+from dynemb.hashing import init_bits
+from dynemb.workspace import Workspace
 from dynemb.types import InitKind
 
 # Keeps log() finite and uniforms below 1: float rounding can give exactly 0 or 1.

@@ -25,8 +25,8 @@ import torch
 from dynemb.config import resolve_device
 from dynemb.errors import InsertionError
 from dynemb.table.base import InsertResult, RowAllocator
-from dynemb.table.hashing import candidate_buckets
-from dynemb.table.workspace import Workspace
+from dynemb.hashing import candidate_buckets
+from dynemb.workspace import Workspace
 from dynemb.types import CheckMode, ScoreStrategy
 
 _EMPTY = torch.empty(0, dtype=torch.int64)

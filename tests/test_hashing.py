@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from index_model import INT64_MAX, INT64_MIN, SPECIAL_KEYS
-
-from dynemb.table.hashing import bucket_of, candidate_buckets, mix64, rank_of
+from dynemb.hashing import bucket_of, candidate_buckets, mix64, rank_of
 
 _U64 = (1 << 64) - 1
+INT64_MIN = -(1 << 63)
+INT64_MAX = (1 << 63) - 1
+SPECIAL_KEYS = [0, -1, INT64_MIN, INT64_MAX]
 
 
 def _splitmix64_finaliser(x: int) -> int:

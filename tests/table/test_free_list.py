@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynemb.storage.free_list import FreeList
+from dynemb.table.free_list import FreeList
 
 
 def ids(values) -> torch.Tensor:

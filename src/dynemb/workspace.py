@@ -1,0 +1,85 @@
+"""Scratch buffers kept between calls for the large temporaries of hot paths.
+
+On CPU a fresh large tensor pays a page fault per page on first touch (glibc hands big blocks
+back to the kernel when freed), so hot paths write their temporaries into views of buffers that
+grow as needed and are reused by the next call.
+
+Bound: a buffer shrinks back once it has been more than twice as large as every request of the
+last ``SHRINK_WINDOW`` requests for it, so one outsized batch holds its scratch memory for at
+most that many further calls. Buffers are created with inference mode off, so a lookup under
+``torch.inference_mode()`` never leaves an inference tensor behind for training to write into.
+
+A Workspace is not thread-safe: its owner (a table, under the table's lock) serialises calls.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SHRINK_WINDOW = 64
+_POISON = False
+
+
+def set_poison(enabled: bool) -> None:
+    """Fill every new scratch buffer (and new store rows) with NaN / a loud integer, so code that
+    reads a value it never wrote fails its tests. For tests only: it costs a write per buffer."""
+    global _POISON
+    _POISON = bool(enabled)
+
+
+def poison_enabled() -> bool:
+    return _POISON
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill ``t`` with NaN (floats), True (bool) or a loud constant (integers) if poisoning is on."""
+    if _POISON and t.numel():
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.dtype == torch.bool:
+            t.fill_(True)
+        else:
+            t.fill_(-0x5A5A5A5A5A5A5A5A if t.dtype == torch.int64 else -0x5A5A5A5A)
+    return t
+
+
+def empty(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.empty`` outside inference mode, poisoned in tests: for tensors a table keeps."""
+    with torch.inference_mode(False):
+        return poison_(torch.empty(shape, dtype=dtype, device=device))
+
+
+class Workspace:
+    """Named buffers on one device; ``get`` returns a [rows, *shape] view valid until the next
+    ``get`` of the same name."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        # name -> [buffer, largest request in the current window, requests in the window]
+        self._buffers: dict[str, list] = {}
+
+    def get(self, name: str, rows: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        entry = self._buffers.get(name)
+        if entry is None or tuple(entry[0].shape[1:]) != shape or entry[0].dtype != dtype:
+            entry = self._buffers[name] = [None, 0, 0]
+        buf = entry[0]
+        entry[1] = max(entry[1], rows)
+        entry[2] += 1
+        if buf is not None and entry[2] >= SHRINK_WINDOW:
+            if buf.shape[0] > 2 * entry[1]:
+                buf = None
+            entry[1] = entry[2] = 0
+        if buf is None or buf.shape[0] < rows:
+            buf = entry[0] = empty((max(rows, 1), *shape), dtype=dtype, device=self.device)
+        elif _POISON:
+            poison_(buf[:rows])
+        return buf[:rows]
+
+    def nbytes(self) -> int:
+        """Bytes held by all buffers."""
+        return sum(e[0].numel() * e[0].element_size() for e in self._buffers.values() if e[0] is not None)
+
+    def to(self, device: torch.device) -> None:
+        """Drop every buffer and allocate on ``device`` from now on."""
+        self.device = device
+        self._buffers.clear()
