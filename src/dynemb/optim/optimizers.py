@@ -7,32 +7,38 @@ see README.md beside this file for the formulas.
 from __future__ import annotations
 
 import math
+from typing import Any
 
-import torch
-
-from dynemb.optim.base import RowOptimizer
+from dynemb.optim.base import HyperParameter, RowOptimizer, non_negative
 
 
-def _check_betas(betas) -> tuple[float, float]:
-    ok = isinstance(betas, (tuple, list)) and len(betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)
+def _betas(betas: Any) -> tuple[float, float]:
+    # Fast path: Adam reads its betas through this check at every update.
+    fast = type(betas) is tuple and len(betas) == 2 and type(betas[0]) is type(betas[1]) is float
+    if fast and 0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0:
+        return betas
+    ok = isinstance(betas, (tuple, list)) and len(betas) == 2
+    ok = ok and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)
     if not ok:
-        raise ValueError(f"betas={betas!r}: must be two numbers in [0, 1)")
+        raise ValueError("must be two numbers in [0, 1)")
     return float(betas[0]), float(betas[1])
 
 
 class SGD(RowOptimizer):
     """w -= lr * (g + weight_decay * w). Matches torch.optim.SGD (no momentum)."""
 
+    weight_decay = HyperParameter(non_negative)
+
     def __init__(self, lr: float = 0.01, weight_decay: float = 0.0):
-        self.lr = lr
-        self.weight_decay = weight_decay
+        super().__init__(lr=lr, weight_decay=weight_decay)
 
     def state_dim(self, embedding_dim: int) -> int:
         return 0
 
     def update(self, weight, state, grad, step):
-        if self.weight_decay:
-            grad = grad.add(weight, alpha=self.weight_decay)
+        weight_decay = self.weight_decay
+        if weight_decay:
+            grad = grad.add(weight, alpha=weight_decay)
         weight.add_(grad, alpha=-self.lr)
 
 
@@ -43,12 +49,13 @@ class Adagrad(RowOptimizer):
     with g = grad + weight_decay * w.
     """
 
+    lr_decay = HyperParameter(non_negative)
+    weight_decay = HyperParameter(non_negative)
+    initial_accumulator_value = HyperParameter(non_negative)
+    eps = HyperParameter(non_negative)
+
     def __init__(self, lr: float = 0.01, lr_decay: float = 0.0, weight_decay: float = 0.0, initial_accumulator_value: float = 0.0, eps: float = 1e-10):
-        self.lr = lr
-        self.lr_decay = lr_decay
-        self.weight_decay = weight_decay
-        self.initial_accumulator_value = initial_accumulator_value
-        self.eps = eps
+        super().__init__(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, initial_accumulator_value=initial_accumulator_value, eps=eps)
 
     def state_dim(self, embedding_dim: int) -> int:
         return embedding_dim
@@ -57,8 +64,9 @@ class Adagrad(RowOptimizer):
         state.fill_(self.initial_accumulator_value)
 
     def update(self, weight, state, grad, step):
-        if self.weight_decay:
-            grad = grad.add(weight, alpha=self.weight_decay)
+        weight_decay = self.weight_decay
+        if weight_decay:
+            grad = grad.add(weight, alpha=weight_decay)
         clr = self.lr / (1 + (step - 1) * self.lr_decay)
         state.addcmul_(grad, grad)
         weight.addcdiv_(grad, state.sqrt().add_(self.eps), value=-clr)
@@ -70,11 +78,12 @@ class RowWiseAdagrad(RowOptimizer):
     g = grad + weight_decay * w;  s += mean(g*g over D);  w -= lr * g / (sqrt(s) + eps).
     """
 
+    eps = HyperParameter(non_negative)
+    weight_decay = HyperParameter(non_negative)
+    initial_accumulator_value = HyperParameter(non_negative)
+
     def __init__(self, lr: float = 0.01, eps: float = 1e-8, weight_decay: float = 0.0, initial_accumulator_value: float = 0.0):
-        self.lr = lr
-        self.eps = eps
-        self.weight_decay = weight_decay
-        self.initial_accumulator_value = initial_accumulator_value
+        super().__init__(lr=lr, eps=eps, weight_decay=weight_decay, initial_accumulator_value=initial_accumulator_value)
 
     def state_dim(self, embedding_dim: int) -> int:
         return 1
@@ -83,8 +92,9 @@ class RowWiseAdagrad(RowOptimizer):
         state.fill_(self.initial_accumulator_value)
 
     def update(self, weight, state, grad, step):
-        if self.weight_decay:
-            grad = grad.add(weight, alpha=self.weight_decay)
+        weight_decay = self.weight_decay
+        if weight_decay:
+            grad = grad.add(weight, alpha=weight_decay)
         state.add_(grad.square().mean(1, keepdim=True))  # [U, 1]
         weight.addcdiv_(grad, state.sqrt().add_(self.eps), value=-self.lr)
 
@@ -96,19 +106,21 @@ class Adam(RowOptimizer):
     w -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps), t = the table's step.
     """
 
+    betas = HyperParameter(_betas)
+    eps = HyperParameter(non_negative)
+    weight_decay = HyperParameter(non_negative)
+
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
-        self.lr = lr
-        self.betas = _check_betas(betas)
-        self.eps = eps
-        self.weight_decay = weight_decay
+        super().__init__(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
     def state_dim(self, embedding_dim: int) -> int:
         return 2 * embedding_dim
 
     def update(self, weight, state, grad, step):
-        beta1, beta2 = _check_betas(self.betas)
-        if self.weight_decay:
-            grad = grad.add(weight, alpha=self.weight_decay)
+        beta1, beta2 = self.betas
+        weight_decay = self.weight_decay
+        if weight_decay:
+            grad = grad.add(weight, alpha=weight_decay)
         D = weight.shape[1]
         exp_avg, exp_avg_sq = state[:, :D], state[:, D:]
         exp_avg.lerp_(grad, 1 - beta1)
