@@ -20,8 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-import harness
 import torch
+
+import harness
 import w1_train_step
 import w2_index
 

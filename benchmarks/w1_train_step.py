@@ -22,11 +22,11 @@ import functools
 import time
 
 import torch
+
+import dynemb
 from harness import OthersLoad, paired_ratio, quiet_repeats, record, settle, wait_quiet
 from keygen import zipf_keys
 from phases import PhaseTimer, instrument, phase_table, profile_steps, top_ops
-
-import dynemb
 
 IDS_PER_STEP = 65536
 NUM_RANKS = 10**8

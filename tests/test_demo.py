@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dynemb.demo import auc, main
-
 import torch
+
+from dynemb.demo import auc, main
 
 
 def test_auc_matches_pairwise_definition():

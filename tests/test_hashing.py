@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from dynemb.hashing import bucket_of, candidate_buckets, mix64, rank_of
 
 _U64 = (1 << 64) - 1

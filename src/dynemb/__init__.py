@@ -5,7 +5,7 @@ from dynemb.config import Admission, Initializer, TableConfig
 from dynemb.errors import InsertionError
 from dynemb.nn import DynamicEmbedding, DynamicEmbeddingBag, DynamicTable
 from dynemb.table.index import KeyIndex
-from dynemb.types import CheckMode, InitKind, PoolingMode, ScoreStrategy
+from dynemb.types import CheckMode, InitKind, NonFiniteGrads, PoolingMode, ScoreStrategy
 
 __version__ = "0.1.0"
 
@@ -19,6 +19,7 @@ __all__ = [
     "Initializer",
     "InsertionError",
     "KeyIndex",
+    "NonFiniteGrads",
     "PoolingMode",
     "ScoreStrategy",
     "TableConfig",

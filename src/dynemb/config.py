@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from dynemb.types import CheckMode, InitKind, ScoreStrategy
+from dynemb.types import CheckMode, InitKind, NonFiniteGrads, ScoreStrategy
 
 
 def _require(ok: bool, field: str, value, why: str) -> None:
@@ -21,8 +21,15 @@ def resolve_device(device: torch.device | str, field: str = "device") -> torch.d
         device = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"{field}={device!r}: not a torch device") from None
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{field}={str(device)!r}: CUDA is not available here (torch {torch.__version__}); use device='cpu'")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        elif device.index >= torch.cuda.device_count():
+            raise ValueError(f"{field}={str(device)!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    elif device.type != "cpu":
+        raise ValueError(f"{field}={str(device)!r}: dynemb tables live on 'cpu' or 'cuda'")
     return device
 
 
@@ -102,10 +109,12 @@ class TableConfig:
 
     Args:
         embedding_dim: D, columns of an embedding.
-        capacity: most rows the table holds; rounded up to a multiple of
-            ``bucket_capacity * 2**k`` where k is the number of doublings from ``init_capacity``.
+        capacity: most rows the table holds; rounded up to whole buckets so that the table can
+            double from its initial size, never to more than twice the value given
+            (``stats()["capacity"]`` is the real figure).
         init_capacity: rows at creation (default: ``capacity``); the table doubles when its load
-            factor passes ``max_load_factor`` or a bucket overflows, up to ``capacity``.
+            factor passes ``max_load_factor`` or a bucket overflows, up to ``capacity``. It may be
+            raised so that the rounding above stays within 2x.
         bucket_capacity: W, slots per hash bucket; a key may use either of two buckets, and
             eviction picks among their 2W keys.
         max_load_factor: load factor that triggers growth, in (0, 1].
@@ -117,6 +126,11 @@ class TableConfig:
         seed: seed of per-key initialisation and of the table's generator.
         dtype: embedding and optimizer state dtype.
         device: where index and rows live ("cpu", "cuda", "cuda:1", ...).
+        nonfinite_grads: what backward does with a key whose summed gradient holds NaN or inf:
+            ``skip`` (default: its row is not updated, ``stats()["nonfinite_grads"]`` counts it),
+            ``raise`` (``FloatingPointError`` before any row of the batch changes) or ``apply``.
+        name: the table's name (collections and checkpoints refer to it).
+        feature_names: the features looked up in this table (collections).
     """
 
     embedding_dim: int
@@ -132,6 +146,9 @@ class TableConfig:
     seed: int = 0
     dtype: torch.dtype = torch.float32
     device: torch.device | str = "cpu"
+    nonfinite_grads: NonFiniteGrads | str = NonFiniteGrads.SKIP
+    name: str | None = None
+    feature_names: tuple[str, ...] | list[str] | None = None
 
     def __post_init__(self):
         _require_int("embedding_dim", self.embedding_dim, 1)
@@ -170,3 +187,14 @@ class TableConfig:
         # float16's range loses the optimizers' eps (1e-8 rounds to 0): 0/0 would poison rows.
         _require(self.dtype in _DTYPES, "dtype", self.dtype, "must be torch.float32, torch.float64 or torch.bfloat16")
         object.__setattr__(self, "device", resolve_device(self.device))
+        object.__setattr__(self, "nonfinite_grads", NonFiniteGrads.parse(self.nonfinite_grads, "nonfinite_grads"))
+        _require(self.name is None or (isinstance(self.name, str) and self.name != ""), "name", self.name, "must be a non-empty str or None")
+        if self.feature_names is not None:
+            names = self.feature_names
+            _require(
+                isinstance(names, (list, tuple)) and all(isinstance(f, str) and f for f in names) and len(set(names)) == len(names),
+                "feature_names",
+                names,
+                "must be a list of distinct non-empty str",
+            )
+            object.__setattr__(self, "feature_names", tuple(names))

@@ -96,3 +96,17 @@ class InitKind(_StrEnum):
     NORMAL = "normal"
     TRUNCATED_NORMAL = "truncated_normal"
     CONSTANT = "constant"
+
+
+class NonFiniteGrads(_StrEnum):
+    """What backward does with a key whose summed gradient holds NaN or inf.
+
+    * ``skip``: the key's row and optimizer state are left as they were; ``stats()
+      ["nonfinite_grads"]`` counts the key (default).
+    * ``raise``: raise ``FloatingPointError`` naming the keys, before any row of the batch changes.
+    * ``apply``: update as for any gradient (the row becomes non-finite).
+    """
+
+    SKIP = "skip"
+    RAISE = "raise"
+    APPLY = "apply"

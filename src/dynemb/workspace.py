@@ -83,3 +83,23 @@ class Workspace:
         """Drop every buffer and allocate on ``device`` from now on."""
         self.device = device
         self._buffers.clear()
+
+
+class writable:
+    """Context for code that writes tensors a table keeps: turns inference mode off (and grad
+    mode off with it) when the caller is under ``torch.inference_mode()``, so kept tensors never
+    become inference tensors. Outside inference mode it does nothing."""
+
+    def __enter__(self):
+        self._guards = []
+        if torch.is_inference_mode_enabled():
+            # inference_mode(False) alone re-enables grad mode; no_grad keeps it off.
+            self._guards = [torch.inference_mode(False), torch.no_grad()]
+            for g in self._guards:
+                g.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for g in reversed(self._guards):
+            g.__exit__(*exc)
+        return False

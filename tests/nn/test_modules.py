@@ -6,7 +6,6 @@ N ids, D embedding dim.
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
@@ -262,7 +261,9 @@ def test_id_errors():
     with pytest.raises(TypeError, match="ids.dtype=torch.float32"):
         t(torch.tensor([1.0]))
     with pytest.raises(TypeError, match="ids must be a torch.Tensor"):
-        t([1, 2])
+        t({1, 2})
+    with pytest.raises(TypeError, match="ids must be a tensor of int64 or a list of ints"):
+        t([1.5, "a"])
     assert t.size() == 0
 
 

@@ -106,7 +106,7 @@ def loss_of(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def test_embedding_matches_torch(name, device):
     table, ref, opt = make_pair(name, device)
     gen = torch.Generator().manual_seed(1)
-    for step in range(STEPS):
+    for _ in range(STEPS):
         ids = torch.randint(0, V, (6, 7), generator=gen).to(device)
         ids[0, :3] = ids[1, 0]  # duplicates, also across rows
         target = torch.randn(6, 7, D, generator=gen).to(device)
@@ -137,11 +137,11 @@ def test_embedding_bag_matches_torch(name, case, device):
     kwargs = BAG_CASES[case]
     table, ref, opt = make_pair(name, device, module="bag", **kwargs)
     gen = torch.Generator().manual_seed(2)
-    for step in range(STEPS):
+    for _ in range(STEPS):
         if case == "mean_2d":
             ids = torch.randint(0, V, (5, 4), generator=gen)
             ids[:, 0] = ids[0, 1]
-            offsets, args = None, {}
+            offsets = None
         else:
             n = 23
             ids = torch.randint(0, V, (n,), generator=gen)

@@ -1,74 +1,58 @@
-"""The engine shared by DynamicEmbedding and DynamicEmbeddingBag: index + rows + optimizer.
+"""DynamicTable: the torch module around one table engine, and the table's policy.
 
-N ids in a batch, U unique ids, D embedding dim, S optimizer state columns.
+N ids in a batch, U unique ids, E keys leaving, D embedding dim, S optimizer state columns,
+K keys held.
 
-Forward: de-duplicate ids -> find_or_insert (training) or find (eval) -> gather rows [U, D+S]
--> embeddings [U, D], which torch's own embedding / embedding_bag expand and pool. Backward:
-torch reduces the output gradient to one [U, D] gradient per unique key; the fused optimizer
-then updates those rows and writes them back.
+Forward: de-duplicate ids -> resolve (insert in training, subject to admission) -> gather rows
+[U, D+S] -> embeddings [U, D], which torch's own embedding / embedding_bag expand and pool.
+Backward: torch reduces the output gradient to one [U, D] gradient per unique key; the engine's
+fused optimizer updates those rows. This layer owns the policy: check mode, admission, eval
+defaults, reporting of keys that fail or leave (``last_failed_keys``, ``last_evicted_keys``,
+evict hooks), the clock, thread safety (one lock per table) and the state_dict.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import collections
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from torch.utils.hooks import RemovableHandle
 
-from dynemb.config import TableConfig
+from dynemb.config import _DTYPES, TableConfig, resolve_device
+from dynemb.errors import InsertionError
 from dynemb.nn.admission import FrequencyAdmission
+from dynemb.nn.autograd import FusedEmbeddings, FusedSequence, Lookup
+from dynemb.nn.functional import Resolved, TableEngine
 from dynemb.optim.base import RowOptimizer
-from dynemb.storage.device_store import DeviceRowStore
-from dynemb.storage.initializers import RowInitializer
-from dynemb.table.base import InsertResult
-from dynemb.table.index import KeyIndex, check_keys, rounded_capacity
-from dynemb.workspace import Workspace
-from dynemb.types import ScoreStrategy
+from dynemb.storage.base import RowStore
+from dynemb.table.index import check_keys
+from dynemb.types import CheckMode, ScoreStrategy
+from dynemb.workspace import Workspace, writable
+
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+EvictHook = Callable[[torch.Tensor, dict], None]
+
+# state_dict entries (see docs/design/0009-state-dict.md); index.* and admission.* are the key
+# index's own state.
+_TABLE_ENTRIES = ("keys", "embeddings", "optimizer_state", "scores", "step", "optimizer_step", "last_timestamp", "counters", "generator_state")
+_INDEX_ENTRIES = ("rows", "slots", "num_buckets", "bucket_capacity", "max_buckets", "free_high_water", "free", "counters")
+_ADMISSION_ENTRIES = ("keys", "rows", "scores", "slots", "num_buckets", "bucket_capacity", "max_buckets", "free_high_water", "free", "counters", "counts", "rejections")
 
 
-class _Batch:
-    """What backward needs from one forward: unique keys [U], their rows [U] (-1 if not in the
-    table), in-table flags [U], the gathered rows [U, D+S] and the table version then."""
-
-    __slots__ = ("keys", "rows", "ok", "data", "version")
-
-    def __init__(self, keys, rows, ok, data, version):
-        self.keys, self.rows, self.ok, self.data, self.version = keys, rows, ok, data, version
-
-
-class _FusedUpdate(torch.autograd.Function):
-    """Identity on the batch's embeddings whose backward applies the table's optimizer."""
-
-    @staticmethod
-    def forward(ctx, trigger, table, batch):
-        ctx.table, ctx.batch = table, batch
-        return batch.data[:, : table.embedding_dim]
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.table._apply_gradients(ctx.batch, grad)
-        ctx.table = ctx.batch = None
-        return None, None, None
-
-
-class _FusedSequence(torch.autograd.Function):
-    """Sequence lookup ([U, D] rows expanded to [*, D]) whose backward sums the gradient per key
-    and applies the table's optimizer."""
-
-    @staticmethod
-    def forward(ctx, trigger, table, batch, inverse):
-        ctx.table, ctx.batch, ctx.inverse = table, batch, inverse
-        D = table.embedding_dim
-        return batch.data[:, :D].index_select(0, inverse.reshape(-1)).view(*inverse.shape, D)
-
-    @staticmethod
-    def backward(ctx, grad):
-        table, batch = ctx.table, ctx.batch
-        D = table.embedding_dim
-        grad_u = table._sum_per_key(ctx.inverse.reshape(-1), grad.reshape(-1, D), batch.keys.numel())
-        table._apply_gradients(batch, grad_u)
-        ctx.table = ctx.batch = ctx.inverse = None
-        return None, None, None, None
+def as_ids(ids, name: str, device: torch.device) -> torch.Tensor:
+    """Ids as an int64 tensor of their own shape on ``device``: tensors are checked, lists /
+    tuples of ints converted; anything else raises TypeError naming the argument."""
+    if isinstance(ids, (list, tuple)):
+        try:
+            ids = torch.as_tensor(ids, dtype=torch.int64, device=device)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+            raise TypeError(f"{name} must be a tensor of int64 or a list of ints, got a list that torch cannot convert: {e}") from None
+    return check_keys(ids, name, device).view(ids.shape)
 
 
 class DynamicTable(torch.nn.Module):
@@ -78,55 +62,61 @@ class DynamicTable(torch.nn.Module):
         config: the table's :class:`dynemb.TableConfig`.
         optimizer: fused optimizer applied in backward; ``None`` makes the table frozen (its
             outputs do not require grad).
+        store: optional row store (a :class:`dynemb.storage.base.RowStore`); default: rows in
+            one tensor on ``config.device``.
 
     Training-mode lookups insert missing keys (subject to admission); eval-mode lookups never
-    insert and give ``eval_default`` for missing keys. Keys that are not in the table in training
-    (not admitted, or failed) get their initial value and are not trained.
+    insert and give ``eval_default`` for missing keys. As with BatchNorm's running statistics,
+    the module's mode decides, not the grad mode: a training-mode lookup under ``torch.no_grad()``
+    or ``torch.inference_mode()`` inserts keys and advances the step, but updates no row. Keys
+    that are not in the table in training (not admitted, or failed) get their initial value and
+    are not trained.
+
+    Every public method is safe to call from several threads: one lock per table serialises
+    them (docs/design/0008-threading.md).
     """
 
-    def __init__(self, config: TableConfig, optimizer: RowOptimizer | None = None):
+    def __init__(self, config: TableConfig, optimizer: RowOptimizer | None = None, store: RowStore | None = None):
         super().__init__()
         if optimizer is not None and not isinstance(optimizer, RowOptimizer):
             raise TypeError(f"optimizer={optimizer!r}: must be a dynemb.optim optimizer (SGD, Adagrad, RowWiseAdagrad, Adam) or None")
-        self.config = config
-        self.optimizer = optimizer
-        self.embedding_dim = D = config.embedding_dim
-        self.state_dim = optimizer.state_dim(D) if optimizer is not None else 0
-        capacity = rounded_capacity(config.capacity, config.init_capacity, config.bucket_capacity)
-        self.store = DeviceRowStore(
-            D + self.state_dim,
-            capacity,
-            dtype=config.dtype,
-            device=config.device,
-            init_rows=config.init_capacity,
-        )
-        self.index = KeyIndex(
-            capacity=config.capacity,
-            allocator=self.store,
-            init_capacity=config.init_capacity,
-            bucket_capacity=config.bucket_capacity,
-            max_load_factor=config.max_load_factor,
-            score_strategy=config.score_strategy,
-            check_mode=config.check_mode,
-            device=config.device,
-        )
-        self.initializer = RowInitializer(config.initializer, D, config.seed, config.dtype, config.device)
+        self.engine = TableEngine(config, optimizer, store)
         self.admission = FrequencyAdmission(config.admission, config.device) if config.admission else None
+        self.embedding_dim = config.embedding_dim
+        self.state_dim = self.engine.state_dim
         self.step = 0
-        self.optimizer_step = 0
         self.custom_score: int | None = None
-        # Bumped by every write to rows or index; backward re-finds keys when it changed.
-        self._version = 0
+        self._last_timestamp = 0
+        self._lock = threading.RLock()
+        self._evict_hooks: collections.OrderedDict[int, EvictHook] = collections.OrderedDict()
         self._workspace = Workspace(config.device)
+        self._erased = 0
+        self.last_failed_keys = torch.empty(0, dtype=torch.int64, device=config.device)
+        self.last_evicted_keys = torch.empty(0, dtype=torch.int64, device=config.device)
+
+    @property
+    def config(self) -> TableConfig:
+        return self.engine.config
+
+    @property
+    def optimizer(self) -> RowOptimizer | None:
+        return self.engine.optimizer
 
     @property
     def device(self) -> torch.device:
-        return self.config.device
+        return self.engine.config.device
 
     @property
-    def last_failed_keys(self) -> torch.Tensor:
-        """Tensor[int64]: keys that failed to insert in the last inserting call."""
-        return self.index.last_failed_keys
+    def index(self):
+        return self.engine.index
+
+    @property
+    def store(self) -> RowStore:
+        return self.engine.store
+
+    @property
+    def optimizer_step(self) -> int:
+        return self.engine.optimizer_step
 
     def extra_repr(self) -> str:
         c = self.config
@@ -136,15 +126,38 @@ class DynamicTable(torch.nn.Module):
         )
 
     def set_score(self, score: int) -> None:
-        """Score given to keys used from now on (``customized`` strategy only)."""
+        """Score given to keys used from now on (``customized`` strategy only; an int64)."""
         if self.index.strategy is not ScoreStrategy.CUSTOMIZED:
             raise ValueError(f"set_score needs score_strategy='customized', this table uses '{self.index.strategy}'")
-        if not isinstance(score, int) or isinstance(score, bool):
-            raise ValueError(f"score={score!r}: must be an int")
+        if not isinstance(score, int) or isinstance(score, bool) or not _INT64_MIN <= score <= _INT64_MAX:
+            raise ValueError(f"score={score!r}: must be an int in the int64 range [-2**63, 2**63 - 1]")
         self.custom_score = score
 
-    def _check_ids(self, ids: torch.Tensor, name: str = "ids") -> torch.Tensor:
-        return check_keys(ids, name, self.device)
+    def register_evict_hook(self, fn: EvictHook) -> RemovableHandle:
+        """Call ``fn(keys, rows)`` for every key that leaves the table (evicted or erased).
+
+        ``keys`` (Tensor[int64]) [E]; ``rows`` a dict of ``embeddings`` [E, D],
+        ``optimizer_state`` [E, S] and ``scores`` [E] (int64) as they were when the keys left.
+        Hooks run in registration order, inside the call that evicts (under the table's lock),
+        before a failed insert is raised. Returns a handle whose ``remove()`` unregisters ``fn``.
+        """
+        if not callable(fn):
+            raise TypeError(f"fn={fn!r}: must be callable as fn(keys, rows)")
+        handle = RemovableHandle(self._evict_hooks)
+        self._evict_hooks[handle.id] = fn
+        return handle
+
+    # -- clock, ids, reporting ---------------------------------------------------------------
+
+    def _now(self) -> int:
+        """The clock for the index: a strictly increasing timestamp (ns) or the step."""
+        if self.index.strategy is ScoreStrategy.TIMESTAMP:
+            self._last_timestamp = max(time.time_ns(), self._last_timestamp + 1)
+            return self._last_timestamp
+        return self.step
+
+    def _ids(self, ids, name: str = "ids") -> torch.Tensor:
+        return as_ids(ids, name, self.device)
 
     def _given_scores(self, n: int) -> torch.Tensor | None:
         if self.index.strategy is not ScoreStrategy.CUSTOMIZED:
@@ -153,76 +166,88 @@ class DynamicTable(torch.nn.Module):
             raise ValueError("score_strategy='customized': call set_score(score) before training lookups")
         return torch.full((n,), self.custom_score, dtype=torch.int64, device=self.device)
 
-    def _new_rows(self, keys: torch.Tensor) -> torch.Tensor:
-        """Initial rows [n, D+S] of keys [n]."""
-        embeddings = self.initializer(keys)  # [n, D]
-        if not self.state_dim:
-            return embeddings
-        rows = torch.empty(keys.numel(), self.store.width, dtype=self.config.dtype, device=self.device)
-        rows[:, : self.embedding_dim] = embeddings
-        self.optimizer.init_state(rows[:, self.embedding_dim :])
-        return rows
+    def _report(self, failed: torch.Tensor, evicted_keys: torch.Tensor, evicted: dict | None, total: int) -> None:
+        """The one exit of keys that leave or fail: record them, run evict hooks, apply check mode."""
+        self.last_failed_keys = failed
+        self.last_evicted_keys = evicted_keys
+        if evicted is not None:
+            for fn in list(self._evict_hooks.values()):
+                fn(evicted_keys, evicted)
+        if failed.numel() == 0 or self.config.check_mode is CheckMode.COUNT:
+            return
+        message = (
+            f"{failed.numel()} of {total} keys could not be inserted: both their buckets hold "
+            f"only keys used in this batch or scored higher (score_strategy='{self.index.strategy}', "
+            f"size={self.index.size()}, capacity={self.index.capacity()}). Increase capacity, or set "
+            "check_mode='warn' or 'count' to continue; failed keys get their initial value and are "
+            "not trained."
+        )
+        if self.config.check_mode is CheckMode.RAISE:
+            raise InsertionError(message + " The keys are on this exception's .failed_keys.", failed)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
-    def _upsert(self, keys: torch.Tensor, counts: torch.Tensor, given: torch.Tensor | None, report: bool = True) -> InsertResult:
-        """find_or_insert of unique sorted keys; new rows are initialised before failures are
-        reported (``report=False``: the caller reports once it has written its own values)."""
-        result = self.index.upsert_unique(keys, counts, given)
-        inserted = result.inserted
-        if bool(inserted.any()):
-            new = inserted.nonzero().squeeze(1)
-            self.store.scatter(result.rows.index_select(0, new), self._new_rows(keys.index_select(0, new)))
-        self._version += 1
-        if report:
-            self.index.report_failures(result.failed_keys, keys.numel())
-        return result
+    def _resolve_train(self, keys: torch.Tensor, counts: torch.Tensor, **kw) -> Resolved:
+        """Insert (subject to admission) and return the resolution of unique keys [U]; not reported."""
+        given = kw.pop("scores", None)
+        if given is None:
+            given = self._given_scores(keys.numel())
+        insertable = None
+        if self.admission is not None:
+            _, found = self.index.find(keys)
+            missing = (~found).nonzero().squeeze(1)
+            insertable = torch.zeros_like(found)
+            if missing.numel():
+                insertable.index_copy_(0, missing, self.admission.admit(keys[missing], counts[missing], self.step))
+        r = self.engine.resolve(
+            keys,
+            train=True,
+            now=self._now(),
+            counts=counts,
+            insertable=insertable,
+            scores=given,
+            evicted_contents=bool(self._evict_hooks),
+            **kw,
+        )
+        if self.admission is not None:
+            self.admission.forget(keys[r.inserted])
+        return r
 
-    def _resolve_train(self, keys: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows [U] (-1 where not in the table) and in-table flags [U] of unique keys, inserting."""
-        self.index.step = self.step
-        given = self._given_scores(keys.numel())
-        if self.admission is None:
-            r = self._upsert(keys, counts, given)
-            return r.rows, r.ok
-        _, candidate = self.index.find(keys)
-        missing = (~candidate).nonzero().squeeze(1)
-        if missing.numel():
-            candidate[missing] = self.admission.admit(keys[missing], counts[missing], self.step)
-        sel = candidate.nonzero().squeeze(1)
-        r = self._upsert(keys[sel], counts[sel], None if given is None else given[sel], report=False)
-        self.admission.forget(keys[sel][r.inserted])
-        self.index.report_failures(r.failed_keys, sel.numel())
-        rows = torch.full_like(keys, -1).index_copy_(0, sel, r.rows)
-        ok = torch.zeros_like(candidate).index_copy_(0, sel, r.ok)
-        return rows, ok
+    # -- lookups -----------------------------------------------------------------------------
 
-    def _gather_batch(self, ids: torch.Tensor) -> tuple[_Batch, torch.Tensor]:
+    def _gather(self, ids) -> tuple[Lookup, torch.Tensor]:
         """De-duplicate ids, resolve them (inserting in training) and gather their rows.
 
-        Returns the batch (unique keys [U], rows [U], in-table flags [U], rows data [U, D+S]) and
-        the inverse ([*], ids' shape) of each id into the unique keys.
+        Returns the lookup (unique keys [U], rows [U], rows data [U, D+S]) and the inverse ([*],
+        ids' shape) of each id into the unique keys.
         """
-        flat = self._check_ids(ids)
-        keys, inverse, counts = torch.unique(flat, sorted=True, return_inverse=True, return_counts=True)
-        D = self.embedding_dim
-        if self.training:
-            self.step += 1
-            rows, ok = self._resolve_train(keys, counts)
-        else:
-            rows, ok = self.index.find(keys)
-        data = self.store.gather(rows.clamp(min=0))  # [U, D+S]
-        missing = (~ok).nonzero().squeeze(1)
-        if missing.numel():
+        ids = self._ids(ids)
+        with self._lock:
+            flat = ids.reshape(-1)
+            keys, inverse, counts = torch.unique(flat, sorted=True, return_inverse=True, return_counts=True)
+            D = self.embedding_dim
             if self.training:
-                fill = self.initializer(keys.index_select(0, missing))
+                self.step += 1
+                r = self._resolve_train(keys, counts)
             else:
-                fill = torch.full((missing.numel(), D), self.config.eval_default, dtype=data.dtype, device=self.device)
-            data[:, :D].index_copy_(0, missing, fill)
-        return _Batch(keys, rows, ok, data, self._version), inverse.view(ids.shape)
+                r = self.engine.resolve(keys, train=False, now=None)
+            ok = r.ok
+            data = self.engine.gather(r.rows)  # [U, D+S]
+            missing = (~ok).nonzero().squeeze(1)
+            if missing.numel():
+                if self.training:
+                    fill = self.engine.initializer(keys.index_select(0, missing))
+                else:
+                    fill = torch.full((missing.numel(), D), self.config.eval_default, dtype=data.dtype, device=self.device)
+                data[:, :D].index_copy_(0, missing, fill)
+            lookup = Lookup(self, keys, r.rows, data, self.engine.version)
+            if self.training:
+                self._report(r.failed_keys, r.evicted_keys, r.evicted, keys.numel())
+        return lookup, inverse.view(ids.shape)
 
     def _trains(self) -> bool:
         return self.training and self.optimizer is not None and torch.is_grad_enabled()
 
-    def lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(self, ids) -> tuple[torch.Tensor, torch.Tensor]:
         """Embeddings of the unique ids and how to expand them.
 
         Args:
@@ -231,49 +256,40 @@ class DynamicTable(torch.nn.Module):
             embeddings (Tensor): [U, D], requiring grad when training with an optimizer.
             inverse (Tensor[int64]): [*] (ids' shape) index of each id into ``embeddings``.
         """
-        batch, inverse = self._gather_batch(ids)
+        lookup, inverse = self._gather(ids)
         if self._trains():
             trigger = torch.empty(0, device=self.device, requires_grad=True)
-            return _FusedUpdate.apply(trigger, self, batch), inverse
-        return batch.data[:, : self.embedding_dim], inverse
+            return FusedEmbeddings.apply(trigger, lookup, self.embedding_dim), inverse
+        return lookup.data[:, : self.embedding_dim], inverse
 
-    def lookup_sequence(self, ids: torch.Tensor) -> torch.Tensor:
+    def lookup_sequence(self, ids) -> torch.Tensor:
         """One embedding per id: ids [*] -> [*, D]; in training, backward updates the rows."""
-        batch, inverse = self._gather_batch(ids)
+        lookup, inverse = self._gather(ids)
         if self._trains():
             trigger = torch.empty(0, device=self.device, requires_grad=True)
-            return _FusedSequence.apply(trigger, self, batch, inverse)
-        return F.embedding(inverse, batch.data[:, : self.embedding_dim])
+            return FusedSequence.apply(trigger, lookup, inverse, self.embedding_dim)
+        return F.embedding(inverse, lookup.data[:, : self.embedding_dim])
 
-    def _sum_per_key(self, inverse: torch.Tensor, grad: torch.Tensor, num_keys: int) -> torch.Tensor:
-        """Gradient summed per unique key: inverse [N], grad [N, D] -> [U, D].
+    def _apply_lookup_gradients(self, lookup: Lookup, grad_u, inverse, grad) -> None:
+        """Backward of one lookup: sum per key if needed, then one fused optimizer step."""
+        with self._lock:
+            if grad_u is None:
+                # Summed into a buffer kept between steps (a fresh [U, D] page-faults on CPU); the
+                # engine consumes it before the lock is released.
+                buf = self._workspace.get("grad", lookup.keys.numel(), (self.embedding_dim,), grad.dtype)
+                grad_u = buf.zero_().index_add_(0, inverse, grad)
+            self.engine.apply_gradients(
+                lookup.keys,
+                lookup.rows,
+                grad_u,
+                data=lookup.data,
+                version=lookup.version,
+                nonfinite=self.config.nonfinite_grads,
+            )
 
-        Sums into a buffer kept between steps (a fresh [U, D] tensor page-faults on CPU); the
-        result is consumed by the fused update before the next backward can reuse it.
-        """
-        buf = self._workspace.get("grad", num_keys, (self.embedding_dim,), grad.dtype)
-        return buf.zero_().index_add_(0, inverse, grad)
+    # -- direct access -----------------------------------------------------------------------
 
-    def _apply_gradients(self, batch: _Batch, grad: torch.Tensor) -> None:
-        """One optimizer step on the batch's in-table rows with grad [U, D] summed per key."""
-        self.optimizer_step += 1
-        keys, rows, data = batch.keys, batch.rows, batch.data
-        if not bool(batch.ok.all()):
-            sel = batch.ok.nonzero().squeeze(1)
-            keys, rows, data, grad = keys[sel], rows[sel], data[sel], grad[sel]
-        if self._version != batch.version:
-            # Rows were written since forward (another lookup, insert or update): re-read them,
-            # and skip keys evicted or erased meanwhile.
-            rows, found = self.index.find(keys)
-            sel = found.nonzero().squeeze(1)
-            rows, grad = rows[sel], grad[sel]
-            data = self.store.gather(rows)
-        D = self.embedding_dim
-        self.optimizer.update(data[:, :D], data[:, D:], grad, self.optimizer_step)
-        self.store.scatter(rows, data)
-        self._version += 1
-
-    def find(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def find(self, keys) -> tuple[torch.Tensor, torch.Tensor]:
         """Embeddings of keys without side effects.
 
         Args:
@@ -282,14 +298,33 @@ class DynamicTable(torch.nn.Module):
             values (Tensor): [*, D], ``eval_default`` where missing.
             found (Tensor[bool]): [*]
         """
-        flat = self._check_ids(keys, "keys")
-        rows, found = self.index.find(flat)
-        values = self.store.gather(rows.clamp(min=0))[:, : self.embedding_dim]
-        values[~found] = self.config.eval_default
+        keys = self._ids(keys, "keys")
+        with self._lock:
+            rows, found = self.index.find(keys.reshape(-1))
+            values = self.engine.gather(rows)[:, : self.embedding_dim]
+        values.masked_fill_(~found[:, None], self.config.eval_default)
         return values.view(*keys.shape, self.embedding_dim), found.view(keys.shape)
 
-    def insert(self, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
-        """Assign rows to keys, inserting missing ones (warm start).
+    def contains(self, keys) -> torch.Tensor:
+        """Membership without side effects: keys (Tensor[int64]) [*] -> Tensor[bool] [*]."""
+        keys = self._ids(keys, "keys")
+        with self._lock:
+            return self.index.find(keys)[1]
+
+    def __contains__(self, key) -> bool:
+        """``key in table`` for one key (an int or a one-element tensor); use :meth:`contains`
+        for a batch (Python turns ``in`` into a single bool)."""
+        if isinstance(key, torch.Tensor) and key.numel() != 1:
+            raise TypeError(f"`key in table` takes one key, got a tensor of {key.numel()}; use table.contains(keys) for a batch")
+        if not isinstance(key, (int, torch.Tensor)) or isinstance(key, bool):
+            raise TypeError(f"key={key!r}: must be an int or a one-element int64 tensor")
+        return bool(self.contains(torch.as_tensor([key], device=self.device).reshape(1) if isinstance(key, int) else key.reshape(1)))
+
+    def __len__(self) -> int:
+        return self.index.size()
+
+    def insert(self, keys, values: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
+        """Assign rows to keys, inserting missing ones (warm start, restore from ``export()``).
 
         Args:
             keys (Tensor[int64]): [N] distinct keys.
@@ -299,53 +334,85 @@ class DynamicTable(torch.nn.Module):
         Returns:
             Tensor[bool]: [N] the key is in the table now (see check_mode for failures).
         """
-        flat = self._check_ids(keys, "keys")
-        width = (self.embedding_dim, self.store.width)
-        if not isinstance(values, torch.Tensor) or values.dim() != 2 or values.shape[0] != flat.numel() or values.shape[1] not in width:
+        flat = self._ids(keys, "keys").reshape(-1)
+        n = flat.numel()
+        width = (self.embedding_dim, self.engine.width)
+        if not isinstance(values, torch.Tensor) or values.dim() != 2 or values.shape[0] != n or values.shape[1] not in width:
             shape = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
-            raise ValueError(f"values.shape={shape}: must be [{flat.numel()}, {width[0]}] or [{flat.numel()}, {width[1]}]")
+            raise ValueError(f"values.shape={shape}: must be [{n}, {width[0]}] or [{n}, {width[1]}]")
+        if not values.is_floating_point():
+            raise TypeError(f"values.dtype={values.dtype}: must be a floating point dtype")
         unique, inverse, counts = torch.unique(flat, sorted=True, return_inverse=True, return_counts=True)
-        if unique.numel() != flat.numel():
-            raise ValueError(f"keys has {flat.numel() - unique.numel()} duplicate(s): insert assigns one value per key")
+        if unique.numel() != n:
+            raise ValueError(f"keys has {n - unique.numel()} duplicate(s): insert assigns one value per key")
         order = torch.empty_like(inverse)
-        order[inverse] = torch.arange(flat.numel(), device=self.device)
+        order[inverse] = torch.arange(n, device=self.device)
         given = None
         if scores is not None:
-            s = self._check_ids(scores, "scores")
-            if s.numel() != flat.numel():
-                raise ValueError(f"scores has {s.numel()} values for {flat.numel()} keys")
+            s = self._ids(scores, "scores").reshape(-1)
+            if s.numel() != n:
+                raise ValueError(f"scores has {s.numel()} values for {n} keys")
             given = s.index_select(0, order)
-        elif self.index.strategy is ScoreStrategy.CUSTOMIZED:
-            given = self._given_scores(unique.numel())
         values = values.detach().to(device=self.device, dtype=self.config.dtype).index_select(0, order)
-        self.index.step = self.step
-        result = self._upsert(unique, counts, given, report=False)
-        ok = result.ok.nonzero().squeeze(1)
-        self.store.scatter(result.rows.index_select(0, ok), values.index_select(0, ok))
-        # Keys that did fit hold the caller's values before a failure is raised.
-        self.index.report_failures(result.failed_keys, unique.numel())
-        return result.ok.index_select(0, inverse)
+        with self._lock, writable():
+            if given is None:
+                given = self._given_scores(n)
+            r = self.engine.resolve(
+                unique,
+                train=True,
+                now=self._now(),
+                counts=counts,
+                scores=given,
+                evicted_contents=bool(self._evict_hooks),
+                init_rows=values.shape[1] != self.engine.width,
+            )
+            ok = r.ok.nonzero().squeeze(1)
+            self.store.scatter(r.rows.index_select(0, ok), values.index_select(0, ok))
+            if self.admission is not None:
+                self.admission.forget(unique[r.inserted])
+            # Keys that did fit hold the caller's values before a failure is raised.
+            self._report(r.failed_keys, r.evicted_keys, r.evicted, n)
+        return r.ok.index_select(0, inverse)
 
-    def erase(self, keys: torch.Tensor) -> torch.Tensor:
-        """Remove keys ([*] int64) and free their rows; returns found ([*] bool)."""
-        self._check_ids(keys, "keys")
-        self._version += 1
-        return self.index.erase(keys)
+    def erase(self, keys) -> torch.Tensor:
+        """Remove keys ([*] int64) and free their rows; returns found ([*] bool). Erased keys
+        leave through the same exit as evicted ones (``last_evicted_keys``, evict hooks)."""
+        keys = self._ids(keys, "keys")
+        with self._lock:
+            r, contents = self.engine.erase(keys.reshape(-1), evicted_contents=bool(self._evict_hooks))
+            self._erased += r.evicted_keys.numel()
+            self._report(r.evicted_keys.new_empty(0), r.evicted_keys, contents, keys.numel())
+        return r.found.view(keys.shape)
 
     def export(self, chunk_size: int = 1 << 16) -> Iterator[dict[str, torch.Tensor]]:
         """Yield every key with its row, in chunks: dicts of ``keys`` [K] int64, ``embeddings``
-        [K, D], ``optimizer_state`` [K, S], ``scores`` [K] int64."""
-        D = self.embedding_dim
-        for keys, rows, scores in self.index.export(chunk_size):
-            data = self.store.gather(rows)
-            yield {"keys": keys, "embeddings": data[:, :D], "optimizer_state": data[:, D:], "scores": scores}
+        [K, D], ``optimizer_state`` [K, S], ``scores`` [K] int64.
+
+        Each chunk is read under the table's lock; if the table changes between chunks the
+        iterator raises RuntimeError instead of yielding an inconsistent mix.
+        """
+        if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+            raise ValueError(f"chunk_size={chunk_size!r}: must be an int >= 1")
+        with self._lock:
+            version = self.engine.version
+            chunks = self.engine.export(chunk_size)
+        while True:
+            with self._lock:
+                if self.engine.version != version:
+                    raise RuntimeError("the table changed while export() was iterating; export again")
+                chunk = next(chunks, None)
+            if chunk is None:
+                return
+            yield chunk
+
+    # -- introspection -----------------------------------------------------------------------
 
     def size(self) -> int:
         """Keys held."""
         return self.index.size()
 
     def capacity(self) -> int:
-        """Most keys held (the configured capacity rounded up to whole buckets)."""
+        """Most keys held (the configured capacity rounded up to whole buckets, at most 2x)."""
         return self.index.capacity()
 
     def load_factor(self) -> float:
@@ -353,9 +420,102 @@ class DynamicTable(torch.nn.Module):
         return self.index.load_factor()
 
     def stats(self) -> dict[str, int | float]:
-        """size, capacity, current_capacity, load_factor, inserts, evictions, failed_inserts,
-        admission_rejections, growths, step."""
-        s = self.index.stats()
-        s["admission_rejections"] = self.admission.rejections if self.admission else 0
-        s["step"] = self.step
+        """size, capacity (real, after rounding), requested_capacity, current_capacity,
+        load_factor, inserts, evictions, erased, failed_inserts, admission_rejections, growths,
+        nonfinite_grads, step, optimizer_step, scratch_bytes."""
+        with self._lock:
+            s = self.index.stats()
+            s["requested_capacity"] = self.config.capacity
+            s["erased"] = self._erased
+            s["admission_rejections"] = self.admission.rejections if self.admission else 0
+            s["nonfinite_grads"] = self.engine.nonfinite_grads
+            s["step"] = self.step
+            s["optimizer_step"] = self.engine.optimizer_step
+            s["scratch_bytes"] = self._workspace.nbytes() + self.engine._workspace.nbytes()
         return s
+
+    # -- torch.nn.Module behaviour -----------------------------------------------------------
+
+    def _apply(self, fn, recurse=True):
+        """``.to()``, ``.cuda()``, ``.cpu()``, ``.double()``... move or convert the whole table."""
+        super()._apply(fn, recurse)
+        probe = fn(torch.empty(0, dtype=self.config.dtype, device=self.device))
+        if not isinstance(probe, torch.Tensor):
+            return self
+        device, dtype = resolve_device(probe.device), probe.dtype
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype}: a dynemb table holds torch.float32, torch.float64 or torch.bfloat16 rows")
+        if device != self.device or dtype != self.config.dtype:
+            with self._lock:
+                self.engine.to(device, dtype)
+                if self.admission is not None:
+                    self.admission.to(device)
+                self._workspace.to(device)
+                self.last_failed_keys = self.last_failed_keys.to(device)
+                self.last_evicted_keys = self.last_evicted_keys.to(device)
+        return self
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_lock"] = None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name, value in self.table_state().items():
+            destination[prefix + name] = value
+
+    def table_state(self) -> dict[str, torch.Tensor]:
+        """The whole table as plain tensors (the entries of ``state_dict()``, without prefix)."""
+        with self._lock:
+            index = self.index.state_dict()
+            data = self.store.gather(index["rows"])
+            D = self.embedding_dim
+            state = {
+                "keys": index["keys"].clone(),
+                "embeddings": data[:, :D].clone(),
+                "optimizer_state": data[:, D:].clone(),
+                "scores": index["scores"].clone(),
+                "step": torch.tensor(self.step, dtype=torch.int64),
+                "optimizer_step": torch.tensor(self.engine.optimizer_step, dtype=torch.int64),
+                "last_timestamp": torch.tensor(self._last_timestamp, dtype=torch.int64),
+                "counters": torch.tensor([self._erased, self.engine.nonfinite_grads], dtype=torch.int64),
+                "generator_state": self.engine.initializer.generator.get_state(),
+            }
+            for name in _INDEX_ENTRIES:
+                state["index." + name] = index[name].clone()
+            if self.admission is not None:
+                for name, value in self.admission.state_dict().items():
+                    state["admission." + name] = value.clone()
+        return state
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        expected = list(_TABLE_ENTRIES) + ["index." + n for n in _INDEX_ENTRIES]
+        if self.admission is not None:
+            expected += ["admission." + n for n in _ADMISSION_ENTRIES]
+        present = {name: state_dict[prefix + name] for name in expected if prefix + name in state_dict}
+        missing = [prefix + name for name in expected if name not in present]
+        missing_keys.extend(missing)
+        if strict:
+            # The table has no children: every entry under its prefix is its own.
+            known = set(expected)
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix) :] not in known)
+        if missing:
+            error_msgs.append(f"{type(self).__name__} at '{prefix}': missing entries {missing}; the table was not changed")
+            return
+        try:
+            self.load_table_state(present)
+        except ValueError as e:
+            error_msgs.append(f"{type(self).__name__} at '{prefix}': {e}; the table was not changed")
+
+    def load_table_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore the table from :meth:`table_state` entries; validates everything first and
+        raises ValueError (naming the entry) without changing the table on any problem."""
+        from dynemb.nn.state import load_table_state
+
+        with self._lock:
+            load_table_state(self, state)

@@ -1,33 +1,38 @@
-"""Contract of a row store: rows ``[embedding | optimizer state]`` addressed by row id.
+"""Contract of a row store: plain rows ``[embedding | optimizer state]`` addressed by row id.
 
 n rows in a call, D embedding columns, S optimizer state columns, C capacity in rows.
-A store also hands out row ids (it is the index's :class:`dynemb.table.base.RowAllocator`).
+
+A store does not know keys, and does not hand out row ids: the key index owns them. A table
+accepts any object that satisfies :class:`RowStore`, so host or disk tiers can plug in.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
 
+@runtime_checkable
 class RowStore(Protocol):
-    """Rows of one table on one device."""
+    """Rows of one table."""
 
     width: int  # D + S
     capacity: int  # C: row ids are in [0, C)
+    dtype: torch.dtype
+    device: torch.device  # where gather returns rows and scatter takes them
 
-    def allocate(self, n: int) -> torch.Tensor:
-        """``n`` free row ids (Tensor[int64]: [n]); their content is undefined until written."""
-
-    def release(self, rows: torch.Tensor) -> None:
-        """Free row ids (Tensor[int64]: [n], distinct)."""
+    def reserve(self, n: int) -> None:
+        """Make row ids [0, n) addressable (n <= C); rows not yet written have undefined content."""
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
-        """Copy of rows (Tensor[int64]: [n], valid ids) -> Tensor: [n, D + S]."""
+        """Copy of rows (Tensor[int64]: [n], valid ids) -> Tensor: [n, D + S], a fresh tensor."""
 
     def scatter(self, rows: torch.Tensor, values: torch.Tensor) -> None:
-        """Write values (Tensor: [n, D + S] or [n, k] for the first k columns) into distinct rows [n]."""
+        """Write values (Tensor: [n, D + S], or [n, k] for the first k columns) into distinct rows [n]."""
 
-    def num_free(self) -> int:
-        """Row ids not in use."""
+    def to(self, device: torch.device, dtype: torch.dtype) -> RowStore:
+        """The same rows on another device and / or dtype (may be ``self``, converted in place)."""
+
+    def nbytes(self) -> int:
+        """Bytes of row memory held now."""

@@ -11,8 +11,8 @@ import torch
 
 from dynemb.config import Initializer
 from dynemb.hashing import init_bits
-from dynemb.workspace import Workspace
 from dynemb.types import InitKind
+from dynemb.workspace import Workspace
 
 # Keeps log() finite and uniforms below 1: float rounding can give exactly 0 or 1.
 _TINY = 2.0**-24

@@ -1,54 +1,97 @@
 """Contract of the key index: key -> row id, with a score per key.
 
-Shape legend: N keys in a batch (duplicates allowed), U unique keys, E evicted keys, F failed keys.
+Shape legend: N keys in a call (duplicates allowed unless said), U unique keys, E keys that left
+the index in the call, F failed keys, K keys held.
 
 Every int64 is a valid key; emptiness is tracked apart from the key bits. Batch operations first
 de-duplicate their keys, so results never depend on the order of keys in a batch. Scores are
-int64; what they mean is set by :class:`dynemb.ScoreStrategy`.
+int64; what they mean is set by :class:`dynemb.ScoreStrategy`. The index owns the row ids (its
+own free list over ``[0, capacity())``); it never touches row contents and never reads wall
+time: callers pass the clock as ``now``. It applies no policy either: failed keys are returned,
+never raised (the module layer applies the check mode).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from collections.abc import Iterator
+from typing import Protocol, runtime_checkable
 
 import torch
 
 
-class RowAllocator(Protocol):
-    """Hands out row ids for new keys and takes back those of erased keys."""
-
-    def allocate(self, n: int) -> torch.Tensor:
-        """Return ``n`` distinct free row ids (Tensor[int64]: [n]) now owned by the caller."""
-
-    def release(self, rows: torch.Tensor) -> None:
-        """Return row ids (Tensor[int64]: [n], distinct) to the free list."""
-
-
 @dataclasses.dataclass(frozen=True)
-class InsertResult:
-    """Outcome of :meth:`KeyIndex.insert_and_evict` for a batch of N keys.
+class IndexResult:
+    """Outcome of an index call over N keys; the one result type of every mutating call.
 
     Attributes:
-        rows (Tensor[int64]): [N] row id of each key, -1 where the key failed.
+        positions (Tensor[int64]): [N] flat slot of each key after the call, -1 where absent.
+        rows (Tensor[int64]): [N] row id of each key, -1 where absent (failed, or erased).
         found (Tensor[bool]): [N] the key was in the index before the call.
-        ok (Tensor[bool]): [N] the key is in the index after the call (found or inserted).
-        evicted_keys (Tensor[int64]): [E] keys evicted to make room, each once.
-        evicted_rows (Tensor[int64]): [E] their former row ids; each now belongs to one of the
-            newly inserted keys, so read an evicted row's content before overwriting it.
-        evicted_scores (Tensor[int64]): [E] their scores when evicted.
+        inserted (Tensor[bool]): [N] the key was newly placed by this call.
+        evicted_keys (Tensor[int64]): [E] keys that left the index in this call (evicted to make
+            room, or erased), each once.
+        evicted_rows (Tensor[int64]): [E] their former row ids. After an eviction the row id
+            belongs to a newly inserted key; after an erase it is back on the free list. Either
+            way its content is unchanged until the caller writes it: read it first.
+        evicted_scores (Tensor[int64]): [E] their scores when they left.
         failed_keys (Tensor[int64]): [F] unique keys that could not be placed.
     """
 
+    positions: torch.Tensor
     rows: torch.Tensor
     found: torch.Tensor
-    ok: torch.Tensor
+    inserted: torch.Tensor
     evicted_keys: torch.Tensor
     evicted_rows: torch.Tensor
     evicted_scores: torch.Tensor
     failed_keys: torch.Tensor
 
     @property
-    def inserted(self) -> torch.Tensor:
-        """Tensor[bool]: [N] the key was newly inserted by this call."""
-        return self.ok & ~self.found
+    def ok(self) -> torch.Tensor:
+        """Tensor[bool]: [N] the key is in the index after the call."""
+        return self.rows >= 0
+
+
+@runtime_checkable
+class Index(Protocol):
+    """What the layers above rely on from a key index (implemented by :class:`KeyIndex`)."""
+
+    def size(self) -> int:
+        """K, keys held."""
+
+    def capacity(self) -> int:
+        """Most keys the index can hold (the requested capacity rounded up, at most 2x)."""
+
+    def find(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row ids without side effects: keys (Tensor[int64]) [*] -> rows [*] (-1 absent), found [*]."""
+
+    def scores(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores without side effects: keys [*] -> scores [*] (0 absent), found [*]."""
+
+    def upsert_unique(
+        self,
+        unique: torch.Tensor,
+        counts: torch.Tensor,
+        *,
+        now: int | None = None,
+        given: torch.Tensor | None = None,
+    ) -> IndexResult:
+        """Find U distinct, ascending keys and insert the missing ones, evicting where full.
+
+        Args:
+            unique (Tensor[int64]): [U] distinct keys, sorted ascending.
+            counts (Tensor[int64]): [U] occurrences of each in the batch (the lfu score).
+            now: the clock (timestamp or step) for the ``timestamp``, ``step`` and
+                ``no_eviction`` strategies; required by them.
+            given (Tensor[int64] | None): [U] scores to assign (``customized``; any strategy).
+        """
+
+    def find_or_insert(self, keys: torch.Tensor, *, now: int | None = None, scores: torch.Tensor | None = None) -> IndexResult:
+        """:meth:`upsert_unique` on keys [N] with duplicates; the result is over the N keys."""
+
+    def erase(self, keys: torch.Tensor) -> IndexResult:
+        """Remove keys [N] (duplicates allowed); their row ids go back to the free list."""
+
+    def export(self, chunk_size: int = 1 << 16) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(keys, rows, scores), each Tensor[int64] [K'], over every held key, in slot order."""

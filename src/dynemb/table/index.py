@@ -1,14 +1,15 @@
 """Bucketed, scored hash index from int64 keys to row ids, in plain device-agnostic torch.
 
-N keys in a batch, U unique keys, M new keys to place, O new keys that overflow their bucket,
-B buckets, W slots per bucket (bucket capacity).
+N keys in a call, U unique keys, M new keys to place, P keys pending (not placed yet), Q buckets
+asked to make room, F full buckets among them, K keys held, B buckets, W slots per bucket.
 
 Layout: four [B, W] tensors (key, used flag, row id, score). Two-choice hashing: a key may live
 at any slot of either of its two candidate buckets (``candidate_buckets``); lookups compare it
 against those 2W slots at once. A new key goes to the candidate with more free slots, else to the
-other; only when both are full does it evict the lowest-scored unlocked key among the 2W (a key
-is locked while the batch that uses it is being placed). Two choices let the index fill past 90%
-before any bucket overflows, where one choice overflows some buckets at about 60%.
+other. When both are full and the index cannot grow, resident keys of those buckets move to their
+own other candidate (cuckoo displacement, up to ``MOVE_DEPTH`` moves in a chain) to free a slot;
+only when that fails does the new key evict the lowest-scored unlocked key among its 2W slots (a
+key is locked while the batch that uses it is being placed). See docs/design/0006.
 
 Growth doubles B and re-places keys and row ids (never rows); multiply-shift bucketing sends old
 bucket b to new buckets 2b and 2b+1 for both choices, so re-placement never overflows.
@@ -16,21 +17,27 @@ bucket b to new buckets 2b and 2b+1 for both choices, so re-placement never over
 
 from __future__ import annotations
 
-import time
-import warnings
-from collections.abc import Iterator
+import operator
+from collections.abc import Iterator, Mapping
 
 import torch
 
 from dynemb.config import resolve_device
-from dynemb.errors import InsertionError
-from dynemb.table.base import InsertResult, RowAllocator
 from dynemb.hashing import candidate_buckets
+from dynemb.table.base import IndexResult
+from dynemb.table.free_list import FreeList
+from dynemb.types import ScoreStrategy
 from dynemb.workspace import Workspace
-from dynemb.types import CheckMode, ScoreStrategy
 
-_EMPTY = torch.empty(0, dtype=torch.int64)
+_INT64_MIN = torch.iinfo(torch.int64).min
 _MAX_SCORE = torch.iinfo(torch.int64).max
+# Bytes per slot of the index tensors: key, row id and score (int64 each), used and lock flags.
+_BYTES_PER_SLOT = 8 + 8 + 8 + 1 + 1
+# Longest chain of resident moves tried to free a slot for a new key (1: a resident of the key's
+# buckets moves to its other bucket; 2: first a resident of that other bucket moves on, ...).
+MOVE_DEPTH = 2
+_COUNTERS = ("inserts", "evictions", "failed_inserts", "growths")
+_CLOCKED = (ScoreStrategy.TIMESTAMP, ScoreStrategy.STEP, ScoreStrategy.NO_EVICTION)
 
 
 def check_keys(keys: torch.Tensor, name: str, device: torch.device) -> torch.Tensor:
@@ -44,6 +51,19 @@ def check_keys(keys: torch.Tensor, name: str, device: torch.device) -> torch.Ten
     return keys.reshape(-1).to(torch.int64)
 
 
+def _check_now(now) -> int:
+    """The clock as a Python int in int64 range, or ValueError naming ``now``."""
+    try:
+        if isinstance(now, bool):
+            raise TypeError
+        value = operator.index(now)
+    except TypeError:
+        raise ValueError(f"now={now!r}: must be an int (the step or timestamp of this call)") from None
+    if not _INT64_MIN <= value <= _MAX_SCORE:
+        raise ValueError(f"now={value}: must fit in int64")
+    return value
+
+
 def _group_by_bucket(bucket: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stable sort of bucket ids ([P] int64) -> (order, sorted buckets, rank within its bucket)."""
     by_bucket = torch.sort(bucket, stable=True)
@@ -55,81 +75,119 @@ def _group_by_bucket(bucket: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     return by_bucket.indices, sorted_bucket, rank
 
 
+def bucket_width(capacity: int, bucket_capacity: int) -> int:
+    """W an index really uses: ``bucket_capacity``, or ``capacity`` when that is smaller (one bucket)."""
+    return min(bucket_capacity, capacity)
+
+
 def plan_buckets(capacity: int, init_capacity: int | None, bucket_capacity: int) -> tuple[int, int]:
-    """(initial buckets, maximum buckets) so that max = initial * 2**k and max*W >= capacity."""
+    """(initial buckets, maximum buckets) of :func:`bucket_width` slots each.
+
+    The maximum is ``initial * 2**k`` with ``capacity <= maximum * W <= 2 * capacity``: k is the
+    largest number of doublings, at most the ``floor(log2(capacity / init_capacity))`` that
+    ``init_capacity`` implies, that keeps the rounding within 2x (k = 0 always does, as
+    ``ceil(C / W) * W < C + W``). Then ``initial * W >= init_capacity``, and it may be larger.
+    When ``capacity < bucket_capacity`` the index is one bucket of ``capacity`` slots.
+    """
+    if capacity < bucket_capacity:
+        return 1, 1
+    W = bucket_capacity
     init = capacity if init_capacity is None else init_capacity
-    doublings = 0
-    while init << (doublings + 1) <= capacity:
-        doublings += 1
-    per_init = bucket_capacity << doublings
-    init_buckets = -(-capacity // per_init)
-    return init_buckets, init_buckets << doublings
+    doublings = (capacity // init).bit_length() - 1
+    needed = -(-capacity // W)
+    for k in range(doublings, -1, -1):
+        max_buckets = ((needed + (1 << k) - 1) >> k) << k
+        if max_buckets * W <= 2 * capacity:
+            return max_buckets >> k, max_buckets
+    raise AssertionError("unreachable: k = 0 always fits")
 
 
 def rounded_capacity(capacity: int, init_capacity: int | None, bucket_capacity: int) -> int:
-    """The capacity an index of these arguments really has (>= capacity)."""
-    return plan_buckets(capacity, init_capacity, bucket_capacity)[1] * bucket_capacity
+    """The capacity an index of these arguments really has (in [capacity, 2 * capacity])."""
+    return plan_buckets(capacity, init_capacity, bucket_capacity)[1] * bucket_width(capacity, bucket_capacity)
+
+
+def index_bytes(num_slots: int) -> int:
+    """Bytes the index tensors take for ``num_slots`` slots (the free list adds at most 8 bytes
+    per released row id)."""
+    return _BYTES_PER_SLOT * num_slots
 
 
 class KeyIndex:
     """Scored hash index: every int64 key -> row id, growing from ``init_capacity`` to ``capacity``.
 
+    Implements :class:`dynemb.table.base.Index`. The index owns its row ids: ``free_list`` hands
+    them out over ``[0, capacity())``; its ``high_water`` says how many rows a store must address.
+
     Args:
-        capacity: most keys held (rounded up, see :func:`plan_buckets`).
-        allocator: gives row ids to new keys and takes back those of erased keys.
-        init_capacity: keys held at creation (default ``capacity``).
-        bucket_capacity: W, slots per bucket.
+        capacity: most keys held; rounded up to whole buckets, at most to 2x (see
+            :func:`plan_buckets`; :meth:`capacity` is the real figure).
+        init_capacity: keys held at creation (default ``capacity``); the initial allocation may
+            be larger, to keep the rounding of ``capacity`` within 2x.
+        bucket_capacity: W, slots per bucket (``capacity`` if that is smaller).
         max_load_factor: growth starts when an insert would pass this load factor.
         score_strategy: meaning of scores, see :class:`dynemb.ScoreStrategy`.
-        check_mode: what failed inserts do, see :class:`dynemb.CheckMode`.
         device: where the index tensors live.
-
-    ``step`` is the clock of the ``step`` and ``no_eviction`` strategies; the owner advances it.
     """
 
     def __init__(
         self,
         *,
         capacity: int,
-        allocator: RowAllocator,
         init_capacity: int | None = None,
         bucket_capacity: int = 16,
         max_load_factor: float = 0.85,
         score_strategy: ScoreStrategy | str = ScoreStrategy.TIMESTAMP,
-        check_mode: CheckMode | str = CheckMode.RAISE,
         device: torch.device | str = "cpu",
     ):
         for name, value in (("capacity", capacity), ("bucket_capacity", bucket_capacity)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be an int >= 1")
-        if init_capacity is not None and not (isinstance(init_capacity, int) and 1 <= init_capacity <= capacity):
+        if init_capacity is not None and not (
+            isinstance(init_capacity, int) and not isinstance(init_capacity, bool) and 1 <= init_capacity <= capacity
+        ):
             raise ValueError(f"init_capacity={init_capacity!r}: must be an int in [1, capacity={capacity}]")
         if not (isinstance(max_load_factor, (int, float)) and 0 < max_load_factor <= 1):
             raise ValueError(f"max_load_factor={max_load_factor!r}: must be in (0, 1]")
         self.strategy = ScoreStrategy.parse(score_strategy, "score_strategy")
-        self.check_mode = CheckMode.parse(check_mode, "check_mode")
         self.device = resolve_device(device)
-        self.bucket_capacity = bucket_capacity
+        self.bucket_capacity = bucket_width(capacity, bucket_capacity)
         self.max_load_factor = float(max_load_factor)
-        self.allocator = allocator
-        self.num_buckets, self.max_buckets = plan_buckets(capacity, init_capacity, bucket_capacity)
-        self.step = 0
-        self._last_timestamp = 0
+        self.init_buckets, self.max_buckets = plan_buckets(capacity, init_capacity, bucket_capacity)
+        self.num_buckets = self.init_buckets
         self._size = 0
-        self._slot_ids = torch.arange(bucket_capacity, device=self.device)
+        self._stats = dict.fromkeys(_COUNTERS, 0)
         self._workspace = Workspace(self.device)
-        self._allocate_tables(self.num_buckets)
-        self.last_failed_keys = _EMPTY.to(self.device)
-        self._stats = {"inserts": 0, "evictions": 0, "failed_inserts": 0, "growths": 0}
+        slots = self.current_capacity()
+        try:
+            self._set_tables(self._new_tables(self.num_buckets))
+        except RuntimeError as error:
+            name, value = ("capacity", capacity) if init_capacity is None else ("init_capacity", init_capacity)
+            raise ValueError(
+                f"{name}={value}: the index needs {index_bytes(slots):,} bytes for its {slots:,} initial slots "
+                f"on {self.device} and could not allocate them ({str(error).splitlines()[0]})"
+            ) from None
+        self.free_list = FreeList(self.capacity(), self.device)
 
-    def _allocate_tables(self, num_buckets: int) -> None:
+    def _new_tables(self, num_buckets: int) -> tuple[torch.Tensor, ...]:
+        """Fresh (keys, used, rows, scores) [B, W] and lock [B * W], all slots empty."""
         shape = (num_buckets, self.bucket_capacity)
-        self._keys = torch.zeros(shape, dtype=torch.int64, device=self.device)
-        self._used = torch.zeros(shape, dtype=torch.bool, device=self.device)
-        self._rows = torch.full(shape, -1, dtype=torch.int64, device=self.device)
-        self._scores = torch.zeros(shape, dtype=torch.int64, device=self.device)
-        # Marks slots locked by the batch being placed; set and cleared per call, never reallocated.
-        self._lock = torch.zeros(num_buckets * self.bucket_capacity, dtype=torch.bool, device=self.device)
+        # Kept across calls: never inference tensors, even when created under inference mode.
+        with torch.inference_mode(False):
+            return (
+                torch.zeros(shape, dtype=torch.int64, device=self.device),
+                torch.zeros(shape, dtype=torch.bool, device=self.device),
+                torch.full(shape, -1, dtype=torch.int64, device=self.device),
+                torch.zeros(shape, dtype=torch.int64, device=self.device),
+                # Slots locked by the batch being placed; set and cleared within a call.
+                torch.zeros(num_buckets * self.bucket_capacity, dtype=torch.bool, device=self.device),
+            )
+
+    def _set_tables(self, tables: tuple[torch.Tensor, ...]) -> None:
+        self._keys, self._used, self._rows, self._scores, self._lock = tables
+        self.num_buckets = self._keys.shape[0]
+        with torch.inference_mode(False):
+            self._slot_ids = torch.arange(self.bucket_capacity, device=self.device)
 
     def size(self) -> int:
         """Number of keys held."""
@@ -206,89 +264,100 @@ class KeyIndex:
         scores = torch.where(found, self._scores.view(-1).index_select(0, pos.clamp(min=0)), 0)
         return scores.view(keys.shape), found.view(keys.shape)
 
-    def _batch_scores(self, counts: torch.Tensor) -> torch.Tensor:
-        """Score each of U unique keys gets from this batch under the strategy ([U] int64)."""
+    def _batch_scores(self, counts: torch.Tensor, now: int | None, given: torch.Tensor | None) -> torch.Tensor:
+        """Score each of U unique keys gets from this call under the strategy ([U] int64)."""
+        if given is not None:
+            return given
         if self.strategy is ScoreStrategy.LFU:
             return counts
-        if self.strategy is ScoreStrategy.TIMESTAMP:
-            now = max(time.time_ns(), self._last_timestamp + 1)
-            self._last_timestamp = now
-            return torch.full_like(counts, now)
         if self.strategy is ScoreStrategy.CUSTOMIZED:
             raise ValueError("score_strategy='customized' needs scores=: the caller gives every key's score")
-        return torch.full_like(counts, self.step)
+        if now is None:
+            raise ValueError(f"now=None: score_strategy='{self.strategy}' scores keys by the clock; pass now=")
+        return torch.full_like(counts, now)
 
-    def insert_and_evict(self, keys: torch.Tensor, scores: torch.Tensor | None = None) -> InsertResult:
-        """Find keys, insert the missing ones, evicting low-scored keys where both buckets are full.
+    def find_or_insert(
+        self, keys: torch.Tensor, *, now: int | None = None, scores: torch.Tensor | None = None
+    ) -> IndexResult:
+        """Find keys, insert the missing ones, evicting low-scored keys where the index is full.
 
         Args:
-            keys (Tensor[int64]): [N] duplicates allowed.
-            scores (Tensor[int64] | None): [N] scores to assign (a key given several times gets
-                the largest); ``None`` uses the strategy's own score.
+            keys (Tensor[int64]): [*] any shape, flattened to [N]; duplicates allowed.
+            now: the clock (step or timestamp) of this call; required by the ``timestamp``,
+                ``step`` and ``no_eviction`` strategies unless ``scores`` is given.
+            scores (Tensor[int64] | None): [*] like keys, scores to assign (a key given several
+                times gets the largest); ``None`` uses the strategy's own score.
         Returns:
-            InsertResult for the N keys. Failed keys are also handled per ``check_mode``.
+            IndexResult over the N keys (failed keys are returned, never raised).
         """
         flat = self._check_keys(keys)
         unique, inverse, counts = torch.unique(flat, sorted=True, return_inverse=True, return_counts=True)
         given = None
         if scores is not None:
-            scores = self._check_keys(scores, "scores")
-            if scores.numel() != flat.numel():
-                raise ValueError(f"scores has {scores.numel()} values for {flat.numel()} keys")
-            given = torch.full_like(unique, torch.iinfo(torch.int64).min)
-            given.scatter_reduce_(0, inverse, scores, reduce="amax")
-        result = self.upsert_unique(unique, counts, given)
-        self.report_failures(result.failed_keys, unique.numel())
-        return InsertResult(
-            rows=result.rows.index_select(0, inverse),
-            found=result.found.index_select(0, inverse),
-            ok=result.ok.index_select(0, inverse),
-            evicted_keys=result.evicted_keys,
-            evicted_rows=result.evicted_rows,
-            evicted_scores=result.evicted_scores,
-            failed_keys=result.failed_keys,
+            flat_scores = self._check_keys(scores, "scores")
+            if flat_scores.numel() != flat.numel():
+                raise ValueError(f"scores has {flat_scores.numel()} values for {flat.numel()} keys")
+            given = torch.full_like(unique, _INT64_MIN).scatter_reduce_(0, inverse, flat_scores, reduce="amax")
+        r = self.upsert_unique(unique, counts, now=now, given=given)
+        return IndexResult(
+            positions=r.positions.index_select(0, inverse),
+            rows=r.rows.index_select(0, inverse),
+            found=r.found.index_select(0, inverse),
+            inserted=r.inserted.index_select(0, inverse),
+            evicted_keys=r.evicted_keys,
+            evicted_rows=r.evicted_rows,
+            evicted_scores=r.evicted_scores,
+            failed_keys=r.failed_keys,
         )
 
-    def find_or_insert(self, keys: torch.Tensor, scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Row ids of keys, inserting missing ones: (rows [N], found [N], ok [N]); see insert_and_evict."""
-        r = self.insert_and_evict(keys, scores)
-        return r.rows, r.found, r.ok
+    def upsert_unique(
+        self,
+        unique: torch.Tensor,
+        counts: torch.Tensor,
+        *,
+        now: int | None = None,
+        given: torch.Tensor | None = None,
+    ) -> IndexResult:
+        """Find U distinct, ascending keys and insert the missing ones, evicting where full.
 
-    def insert(self, keys: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
-        """Insert keys (assigning ``scores`` where given); returns ok (Tensor[bool]: [N])."""
-        return self.insert_and_evict(keys, scores).ok
-
-    def report_failures(self, failed_keys: torch.Tensor, total: int) -> None:
-        """Apply the check mode to keys that could not be placed (already counted in stats)."""
-        self.last_failed_keys = failed_keys
-        if failed_keys.numel() == 0 or self.check_mode is CheckMode.COUNT:
-            return
-        message = (
-            f"{failed_keys.numel()} of {total} keys could not be inserted: both their buckets hold "
-            f"only keys used in this batch or scored higher (score_strategy='{self.strategy}', "
-            f"size={self._size}, capacity={self.capacity()}). Increase capacity, or set "
-            "check_mode='warn' or 'count' to continue; failed keys get their initial value and are "
-            "not trained."
-        )
-        if self.check_mode is CheckMode.RAISE:
-            raise InsertionError(message + " The keys are on this exception's .failed_keys.", failed_keys)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-    def upsert_unique(self, unique: torch.Tensor, counts: torch.Tensor, given: torch.Tensor | None = None) -> InsertResult:
-        """insert_and_evict on already unique keys, without applying the check mode.
+        Found keys get this call's score (``now``; lfu adds ``counts``, saturating; ``given``
+        replaces). Missing keys are placed in priority order (higher score, then smaller key):
+        into free slots, growing the index below its capacity, then by moving resident keys to
+        their other bucket, then by eviction (except ``no_eviction``). Keys that fit nowhere fail.
 
         Args:
-            unique (Tensor[int64]): [U] distinct keys, sorted ascending.
-            counts (Tensor[int64]): [U] occurrences of each in the batch (lfu scores).
-            given (Tensor[int64] | None): [U] scores to assign.
+            unique (Tensor[int64]): [U] distinct keys, sorted ascending (not checked).
+            counts (Tensor[int64]): [U] occurrences of each in the batch (the lfu score).
+            now: the clock (timestamp or step) for the ``timestamp``, ``step`` and
+                ``no_eviction`` strategies; required by them unless ``given`` is passed.
+            given (Tensor[int64] | None): [U] scores to assign (``customized``; any strategy).
         Returns:
-            InsertResult over the U keys. The caller must call :meth:`report_failures`.
+            IndexResult over the U keys.
         """
-        batch_scores = given if given is not None else self._batch_scores(counts)
+        unique = self._check_keys(unique, "unique")
+        counts = self._check_keys(counts, "counts")
+        if counts.numel() != unique.numel():
+            raise ValueError(f"counts has {counts.numel()} values for {unique.numel()} keys")
+        if given is not None:
+            given = self._check_keys(given, "given")
+            if given.numel() != unique.numel():
+                raise ValueError(f"given has {given.numel()} values for {unique.numel()} keys")
+        if now is not None:
+            now = _check_now(now)
+        batch_scores = self._batch_scores(counts, now, given)
+        # Every tensor the index keeps is written here: mutate outside inference mode.
+        with torch.inference_mode(False):
+            return self._upsert(unique, counts, batch_scores, given is None)
+
+    def _upsert(self, unique: torch.Tensor, counts: torch.Tensor, batch_scores: torch.Tensor, own: bool) -> IndexResult:
+        """upsert_unique after argument checks; ``own``: the scores are the strategy's (not given)."""
+        lfu_add = own and self.strategy is ScoreStrategy.LFU
+        # With one clock value for every key, priority order is already that of the keys.
+        uniform = own and self.strategy in _CLOCKED
         pos, found = self._locate(unique)
         found_pos = pos[found]
         flat_scores = self._scores.view(-1)
-        if self.strategy is ScoreStrategy.LFU and given is None:
+        if lfu_add:
             # Saturating add: a key pinned at the largest score must not wrap to the smallest.
             old = flat_scores.index_select(0, found_pos)
             add = counts[found]
@@ -297,18 +366,26 @@ class KeyIndex:
             flat_scores.index_copy_(0, found_pos, batch_scores[found])
 
         missing = (~found).nonzero().squeeze(1)  # [M] into unique
-        if (given is not None or self.strategy in (ScoreStrategy.LFU, ScoreStrategy.CUSTOMIZED)) and missing.numel():
+        if not uniform:
             # Priority order: higher score first, then smaller key (unique is sorted).
             by_score = torch.sort(batch_scores.index_select(0, missing), descending=True, stable=True)
             missing = missing.index_select(0, by_score.indices)
         new_keys = unique.index_select(0, missing)
         new_scores = batch_scores.index_select(0, missing)
-        grown = False
+        # Growth and resident moves change slots: then positions are found again (lazily).
+        moved = False
         while self._can_grow() and self._size + missing.numel() > self.max_load_factor * self.current_capacity():
             self._grow()
-            grown = True
+            moved = True
         new_pos = torch.full_like(missing, -1)
+        stale = False
         pending = torch.arange(missing.numel(), device=self.device)  # [P] ranks into missing
+        # New keys for which moving residents may still free a slot; a key whose buckets got no
+        # room once is not tried again in this call (its buckets' keys cannot move).
+        hopeful = torch.ones_like(missing, dtype=torch.bool)
+        # Each pass places at least one more key, or rules keys out of displacement, or improves
+        # the priority of the placed ones (_displace), or ends. The host syncs per pass (sizes of
+        # masked selections) are what lets the loop stop as soon as every key is placed.
         while pending.numel():
             placed, placed_pos = self._place_free(new_keys.index_select(0, pending), new_scores.index_select(0, pending))
             new_pos.index_copy_(0, pending[placed], placed_pos[placed])
@@ -317,22 +394,30 @@ class KeyIndex:
                 break
             if self._can_grow():
                 self._grow()
-                grown = True
-                # Growth moved keys: find this batch's placed keys again.
+                moved = stale = True
+                continue
+            tried = pending[hopeful.index_select(0, pending)]
+            if tried.numel():
+                room = self._make_room(new_keys.index_select(0, tried))
+                hopeful.index_fill_(0, tried[~room], False)
+                if bool(room.any()):
+                    moved = stale = True
+                    continue
+            if stale:
                 at, present = self._locate(new_keys)
                 new_pos = torch.where(present, at, -1)
-                continue
+                stale = False
             # Full: keys that found no free slot take slots of lower-priority keys of the batch;
             # displaced keys go round again (their other bucket may have room).
             pending, displaced = self._displace(new_keys, new_scores, pending, new_pos)
             if not displaced:
                 break
-        if grown:
+        if moved:
             pos, _ = self._locate(unique)
         else:
             pos = pos.index_copy(0, missing, new_pos)
 
-        evicted = (_EMPTY.to(self.device),) * 3
+        evicted = (torch.empty(0, dtype=torch.int64, device=self.device),) * 3
         if pending.numel() and self.strategy is not ScoreStrategy.NO_EVICTION:
             victim_pos, *evicted = self._evict_for(new_keys[pending], new_scores[pending], pos[pos >= 0])
             pos.index_copy_(0, missing[pending], victim_pos)
@@ -340,7 +425,7 @@ class KeyIndex:
         rows = torch.where(ok, self._rows.view(-1).index_select(0, pos.clamp(min=0)), -1)
         failed_keys = unique[~ok]
         self._stats["failed_inserts"] += failed_keys.numel()
-        return InsertResult(rows, found, ok, *evicted, failed_keys)
+        return IndexResult(pos, rows, found, ok & ~found, *evicted, failed_keys)
 
     def _can_grow(self) -> bool:
         return self.num_buckets < self.max_buckets
@@ -396,24 +481,87 @@ class KeyIndex:
             fits (Tensor[bool]): [P]
             pos (Tensor[int64]): [P] slot taken, meaningful where fits.
         """
-        W = self.bucket_capacity
         order, bucket, rank = _group_by_bucket(bucket)  # [P] each
-        free = ~self._used.index_select(0, bucket)  # [P, W]
-        n_free = free.sum(1)
-        fits = rank < ((n_free + 1) // 2 if halve else n_free)
-        target = free & (free.cumsum(1) == (rank + 1)[:, None])
-        pos = bucket * W + target.view(torch.uint8).argmax(1)
+        fits, pos = self._free_slots(bucket, rank, halve)
         fit_pos = pos[fits]
         fit_idx = order[fits]
         self._keys.view(-1).index_copy_(0, fit_pos, keys.index_select(0, fit_idx))
         self._used.view(-1).index_fill_(0, fit_pos, True)
         self._scores.view(-1).index_copy_(0, fit_pos, scores.index_select(0, fit_idx))
-        self._rows.view(-1).index_copy_(0, fit_pos, self.allocator.allocate(fit_pos.numel()))
+        self._rows.view(-1).index_copy_(0, fit_pos, self.free_list.allocate(fit_pos.numel()))
         self._size += fit_pos.numel()
         self._stats["inserts"] += fit_pos.numel()
         out_fits = torch.zeros_like(fits).index_copy_(0, order, fits)
         out_pos = torch.empty_like(pos).index_copy_(0, order, pos)
         return out_fits, out_pos
+
+    def _free_slots(self, bucket: torch.Tensor, rank: torch.Tensor, halve: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rank-th free slot of each bucket (buckets and ranks [P] from _group_by_bucket).
+
+        Returns:
+            fits (Tensor[bool]): [P] the bucket has that many free slots (at most half of them,
+                rounded up, with ``halve``).
+            pos (Tensor[int64]): [P] flat slot, meaningful where fits.
+        """
+        free = ~self._used.index_select(0, bucket)  # [P, W]
+        n_free = free.sum(1)
+        fits = rank < ((n_free + 1) // 2 if halve else n_free)
+        target = free & (free.cumsum(1) == (rank + 1)[:, None])
+        return fits, bucket * self.bucket_capacity + target.view(torch.uint8).argmax(1)
+
+    def _make_room(self, keys: torch.Tensor) -> torch.Tensor:
+        """Free slots in the full candidate buckets of P pending keys by moving resident keys to
+        their other candidate bucket (cuckoo displacement; a moved key keeps its row id and
+        score). Returns room (Tensor[bool]: [P]): one of the key's buckets has a free slot now."""
+        if self._size == self.current_capacity():
+            return torch.zeros_like(keys, dtype=torch.bool)
+        b1, b2 = candidate_buckets(keys, self.num_buckets)
+        needy = torch.unique(torch.cat([b1, b2]))  # [Q]
+        # Chains of two moves look at W times more keys; they are tried for at most as many
+        # buckets as there are free slots, which bounds their cost when the index is nearly full.
+        self._move_out(needy, MOVE_DEPTH, self.current_capacity() - self._size)
+        return ~(self._used.index_select(0, b1).all(1) & self._used.index_select(0, b2).all(1))
+
+    def _move_out(self, buckets: torch.Tensor, depth: int, deep_limit: int) -> None:
+        """Free one slot in each full bucket of ``buckets`` ([Q] distinct): move one of its keys
+        to that key's other candidate bucket, the one with the most free slots (ties: lower
+        slot). With ``depth`` > 1, up to ``deep_limit`` buckets none of whose keys could move
+        first get room made in those other buckets (recursively), then try again."""
+        W = self.bucket_capacity
+        full = buckets[self._used.index_select(0, buckets).all(1)]  # [F]
+        F = full.numel()
+        if F == 0:
+            return
+        residents = self._keys.index_select(0, full).view(-1)  # [F * W]
+        r1, r2 = candidate_buckets(residents, self.num_buckets)
+        own = full.repeat_interleave(W)
+        alt = torch.where(r1 == own, r2, r1)  # [F * W], == own when both candidates coincide
+        free_alt = (W - self._used.index_select(0, alt).sum(1)).masked_fill_(alt == own, 0).view(F, W)
+        alt = alt.view(F, W)
+        best_free = free_alt.amax(1)  # [F]
+        best = (free_alt == best_free[:, None]).view(torch.uint8).argmax(1)  # [F] first such slot
+        movable = (best_free > 0).nonzero().squeeze(1)  # [F'] into full
+        best = best.index_select(0, movable)
+        src = full.index_select(0, movable) * W + best
+        dst_bucket = alt.index_select(0, movable).gather(1, best[:, None]).squeeze(1)
+        # Several keys may head for one bucket: the r-th (by source bucket) takes its r-th free
+        # slot, if it has that many. Sources (full buckets) and targets (not full) never overlap.
+        order, dst_bucket, rank = _group_by_bucket(dst_bucket)
+        fits, dst = self._free_slots(dst_bucket, rank)
+        src, dst = src.index_select(0, order)[fits], dst[fits]
+        for table in (self._keys, self._rows, self._scores):
+            flat = table.view(-1)
+            flat.index_copy_(0, dst, flat.index_select(0, src))
+        self._used.view(-1).index_fill_(0, dst, True).index_fill_(0, src, False)
+        if depth > 1 and deep_limit > 0:
+            stuck = torch.ones(F, dtype=torch.bool, device=self.device)
+            stuck.index_fill_(0, movable.index_select(0, order[fits]), False)
+            stuck = stuck.nonzero().squeeze(1)[:deep_limit]
+            stuck_alt = alt.index_select(0, stuck)  # [F'', W]
+            deeper = torch.unique(stuck_alt[stuck_alt != full.index_select(0, stuck)[:, None]])
+            if deeper.numel():
+                self._move_out(deeper, depth - 1, deep_limit)
+                self._move_out(full.index_select(0, stuck), 1, 0)
 
     def _displace(self, keys: torch.Tensor, scores: torch.Tensor, pending: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Restore priority after batched placement: a pending key takes the slot of the
@@ -463,7 +611,8 @@ class KeyIndex:
 
     def _evict_for(self, keys: torch.Tensor, scores: torch.Tensor, locked_pos: torch.Tensor):
         """Place P keys (priority order) whose buckets are full by evicting, for each, the
-        lowest-scored unlocked key of its 2W candidate slots, if that score is not above its own.
+        lowest-scored unlocked key of its 2W candidate slots (ties: bucket 1 before bucket 2,
+        lower slot first), if that score is not above its own (lfu: whatever its score).
         Keys proceed in priority order wherever they share a bucket; the others wait a round.
 
         Returns:
@@ -474,6 +623,7 @@ class KeyIndex:
         lock = self._lock
         lock.index_fill_(0, locked_pos, True)
         flat_keys, flat_scores, flat_rows = self._keys.view(-1), self._scores.view(-1), self._rows.view(-1)
+        flat_used = self._used.view(-1)
         candidates = self._candidate_slots(keys)  # [P, 2W]
         pos = torch.full_like(keys, -1)
         active = torch.arange(keys.numel(), device=self.device)
@@ -481,16 +631,18 @@ class KeyIndex:
         while active.numel():
             cand = candidates.index_select(0, active)  # [A, 2W]
             flat = cand.view(-1)
-            # Candidates ordered by (locked, score, bucket 1 before 2, slot): stable sorts.
-            by_score = torch.sort(flat_scores.index_select(0, flat).view(cand.shape), dim=1, stable=True)
             # An empty slot is never a victim (free slots were offered before eviction).
-            blocked = lock.index_select(0, flat) | ~self._used.view(-1).index_select(0, flat)
-            locked = blocked.view(cand.shape).gather(1, by_score.indices)
-            best = torch.sort(locked.to(torch.uint8), dim=1, stable=True).indices[:, :1]  # [A, 1]
-            victim_locked = locked.gather(1, best).squeeze(1)
-            victim_score = by_score.values.gather(1, best).squeeze(1)
-            victim = cand.gather(1, by_score.indices.gather(1, best)).squeeze(1)  # [A]
-            eligible = ~victim_locked & (scores.index_select(0, active) >= victim_score)
+            blocked = (lock.index_select(0, flat) | ~flat_used.index_select(0, flat)).view(cand.shape)
+            masked = flat_scores.index_select(0, flat).view(cand.shape).masked_fill_(blocked, _MAX_SCORE)
+            victim_score = masked.amin(1)  # [A]
+            # Unblocked slots holding the lowest score; "unblocked" matters when that score is
+            # the int64 maximum, which blocked slots were filled with.
+            lowest = (masked == victim_score[:, None]) & ~blocked
+            best = lowest.view(torch.uint8).argmax(1)  # [A] first lowest: the tie order
+            eligible = lowest.any(1)
+            if self.strategy is not ScoreStrategy.LFU:
+                eligible &= scores.index_select(0, active) >= victim_score
+            victim = cand.gather(1, best[:, None]).squeeze(1)
             active, victim = active[eligible], victim[eligible]
             if active.numel() == 0:
                 break
@@ -509,53 +661,73 @@ class KeyIndex:
             active = active[~winner]
         lock.index_fill_(0, locked_pos, False)
         lock.index_fill_(0, pos[pos >= 0], False)
-        evicted = [torch.cat(parts) for parts in zip(*won)] if won else [_EMPTY.to(self.device)] * 3
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        evicted = [torch.cat(parts) for parts in zip(*won)] if won else [empty] * 3
         self._stats["evictions"] += evicted[0].numel()
         self._stats["inserts"] += evicted[0].numel()
         return (pos, *evicted)
 
     def _grow(self) -> None:
         """Double the buckets and re-place every key with its row id and score; a key in old
-        bucket c (its first or second candidate) moves to that candidate's child, 2c or 2c+1."""
+        bucket c (its first or second candidate) moves to that candidate's child, 2c or 2c+1.
+        The new tensors are allocated first, so a failed allocation leaves the index as it was."""
         W = self.bucket_capacity
+        tables = self._new_tables(2 * self.num_buckets)
         used = self._used.view(-1).nonzero().squeeze(1)
         keys = self._keys.view(-1).index_select(0, used)
         rows = self._rows.view(-1).index_select(0, used)
         scores = self._scores.view(-1).index_select(0, used)
         old1, _ = candidate_buckets(keys, self.num_buckets)
         in_first = old1 == used // W
-        self.num_buckets *= 2
-        self._allocate_tables(self.num_buckets)
-        new1, new2 = candidate_buckets(keys, self.num_buckets)
+        new1, new2 = candidate_buckets(keys, 2 * self.num_buckets)
         bucket = torch.where(in_first, new1, new2)
         order, bucket, rank = _group_by_bucket(bucket)
         pos = bucket * W + rank
-        self._keys.view(-1).index_copy_(0, pos, keys.index_select(0, order))
-        self._rows.view(-1).index_copy_(0, pos, rows.index_select(0, order))
-        self._scores.view(-1).index_copy_(0, pos, scores.index_select(0, order))
-        self._used.view(-1).index_fill_(0, pos, True)
+        new_keys, new_used, new_rows, new_scores, _ = tables
+        new_keys.view(-1).index_copy_(0, pos, keys.index_select(0, order))
+        new_rows.view(-1).index_copy_(0, pos, rows.index_select(0, order))
+        new_scores.view(-1).index_copy_(0, pos, scores.index_select(0, order))
+        new_used.view(-1).index_fill_(0, pos, True)
+        self._set_tables(tables)
         self._stats["growths"] += 1
 
-    def erase(self, keys: torch.Tensor) -> torch.Tensor:
-        """Remove keys and free their rows.
+    def erase(self, keys: torch.Tensor) -> IndexResult:
+        """Remove keys and give their row ids back to the free list.
 
         Args:
-            keys (Tensor[int64]): [N] duplicates allowed.
+            keys (Tensor[int64]): [*] any shape, flattened to [N]; duplicates allowed.
         Returns:
-            Tensor[bool]: [N] the key was present.
+            IndexResult over the N keys: ``found`` says which were present; ``rows`` and
+            ``positions`` are -1 and ``inserted`` False everywhere; ``evicted_*`` are the erased
+            keys (each once, ascending), their former row ids and scores; no failed keys.
         """
         flat = self._check_keys(keys)
         unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
-        pos, found = self._locate(unique)
-        pos = pos[found]
-        self._used.view(-1).index_fill_(0, pos, False)
-        self.allocator.release(self._rows.view(-1).index_select(0, pos))
-        self._size -= pos.numel()
-        return found.index_select(0, inverse).view(keys.shape)
+        with torch.inference_mode(False):
+            pos, found = self._locate(unique)
+            hit = pos[found]
+            erased = unique[found]
+            erased_rows = self._rows.view(-1).index_select(0, hit)
+            erased_scores = self._scores.view(-1).index_select(0, hit)
+            self._used.view(-1).index_fill_(0, hit, False)
+            self.free_list.release(erased_rows)
+            self._size -= hit.numel()
+        n = flat.numel()
+        absent = torch.full((n,), -1, dtype=torch.int64, device=self.device)
+        return IndexResult(
+            positions=absent,
+            rows=absent.clone(),
+            found=found.index_select(0, inverse),
+            inserted=torch.zeros(n, dtype=torch.bool, device=self.device),
+            evicted_keys=erased,
+            evicted_rows=erased_rows,
+            evicted_scores=erased_scores,
+            failed_keys=torch.empty(0, dtype=torch.int64, device=self.device),
+        )
 
     def export(self, chunk_size: int = 1 << 16) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Yield (keys, rows, scores), each Tensor[int64] [K], over every held key, in chunks of
-        at most ``chunk_size`` slots scanned. Do not modify the index while iterating."""
+        """Yield (keys, rows, scores), each Tensor[int64] [K'], over every held key in slot order,
+        in chunks of at most ``chunk_size`` slots scanned. Do not modify the index while iterating."""
         if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size!r}: must be an int >= 1")
         keys, rows, scores, used = (t.view(-1) for t in (self._keys, self._rows, self._scores, self._used))
@@ -566,3 +738,150 @@ class KeyIndex:
                 rows[start : start + chunk_size][mask],
                 scores[start : start + chunk_size][mask],
             )
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Plain int64 tensors that restore this index exactly (``torch.load(weights_only=True)``).
+
+        Entries: ``keys``, ``rows``, ``scores``, ``slots`` [K] (flat slot of each key, ascending);
+        0-d ``num_buckets``, ``bucket_capacity``, ``max_buckets``, ``free_high_water``; ``free``
+        [n] (released row ids, first released first); ``counters`` [4] (inserts, evictions,
+        failed_inserts, growths).
+        """
+        slots = self._used.view(-1).nonzero().squeeze(1)
+        free = self.free_list.state()
+
+        def scalar(value: int) -> torch.Tensor:
+            return torch.tensor(value, dtype=torch.int64, device=self.device)
+
+        return {
+            "keys": self._keys.view(-1).index_select(0, slots),
+            "rows": self._rows.view(-1).index_select(0, slots),
+            "scores": self._scores.view(-1).index_select(0, slots),
+            "slots": slots,
+            "num_buckets": scalar(self.num_buckets),
+            "bucket_capacity": scalar(self.bucket_capacity),
+            "max_buckets": scalar(self.max_buckets),
+            "free_high_water": scalar(free["high_water"]),
+            "free": free["free"],
+            "counters": torch.tensor([self._stats[c] for c in _COUNTERS], dtype=torch.int64, device=self.device),
+        }
+
+    def same_geometry(self, state: Mapping[str, torch.Tensor]) -> bool:
+        """Whether :meth:`load_state_dict` can restore ``state`` exactly: its bucket width and
+        maximum buckets are this index's and its ``num_buckets`` is one this index passes
+        through as it grows. (Other states must be re-inserted key by key.)"""
+        try:
+            B, W, B_max = (_scalar(state, name) for name in ("num_buckets", "bucket_capacity", "max_buckets"))
+        except ValueError:
+            return False
+        return (
+            W == self.bucket_capacity
+            and B_max == self.max_buckets
+            and self.init_buckets <= B <= B_max
+            and B_max % B == 0
+            and (B_max // B).bit_count() == 1
+        )
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Restore :meth:`state_dict` of an index of the same geometry (:meth:`same_geometry`),
+        exactly: same slots, row ids, free list and counters, so later calls behave bitwise as
+        they would have on the saved index. Everything is checked first: a bad or foreign state
+        raises ValueError naming the entry and leaves this index unchanged.
+        """
+        if not isinstance(state, Mapping):
+            raise ValueError(f"state: must be a mapping of tensors, got {type(state).__name__}")
+        B, W, B_max = (_scalar(state, name) for name in ("num_buckets", "bucket_capacity", "max_buckets"))
+        if not self.same_geometry(state):
+            raise ValueError(
+                f"state num_buckets={B}, bucket_capacity={W}, max_buckets={B_max}: not a state of this index's "
+                f"geometry (bucket_capacity={self.bucket_capacity}, buckets {self.init_buckets} doubling to "
+                f"{self.max_buckets}); re-insert its keys instead"
+            )
+        keys, rows, scores, slots = (_vector(state, name) for name in ("keys", "rows", "scores", "slots"))
+        K = keys.numel()
+        for name, t in (("rows", rows), ("scores", scores), ("slots", slots)):
+            if t.numel() != K:
+                raise ValueError(f"state entry '{name}' has {t.numel()} values for {K} keys")
+        counters = _vector(state, "counters")
+        if counters.numel() != len(_COUNTERS) or bool((counters < 0).any()):
+            raise ValueError(f"state entry 'counters': must hold {len(_COUNTERS)} counts >= 0 {_COUNTERS}")
+        high_water = _scalar(state, "free_high_water")
+        free = _vector(state, "free")
+        device = self.device
+        keys, rows, scores, slots, free = (t.to(device) for t in (keys, rows, scores, slots, free))
+        slot_count = B * W
+        if K > slot_count:
+            raise ValueError(f"state entry 'keys' holds {K} keys for {slot_count} slots")
+        if K:
+            if not bool(((slots >= 0) & (slots < slot_count)).all()):
+                raise ValueError(f"state entry 'slots': must lie in [0, {slot_count})")
+            if torch.unique(slots).numel() != K:
+                raise ValueError("state entry 'slots': must be distinct")
+            if torch.unique(keys).numel() != K:
+                raise ValueError("state entry 'keys': must be distinct")
+            b1, b2 = candidate_buckets(keys, B)
+            bucket = slots // W
+            if not bool(((bucket == b1) | (bucket == b2)).all()):
+                raise ValueError("state entry 'slots': a key sits outside its candidate buckets")
+            if not bool(((rows >= 0) & (rows < self.capacity())).all()):
+                raise ValueError(f"state entry 'rows': must lie in [0, {self.capacity()})")
+            if torch.unique(rows).numel() != K:
+                raise ValueError("state entry 'rows': must be distinct")
+            if not bool((rows < high_water).all()):
+                raise ValueError(f"state entry 'rows': must lie below free_high_water={high_water}")
+        try:
+            self.free_list.check_state(high_water, free)
+        except ValueError as error:
+            raise ValueError(f"state entries 'free_high_water' / 'free': {error}") from None
+        if free.numel() + K != high_water:
+            raise ValueError(
+                f"state entries 'free' / 'rows': {free.numel()} free and {K} used row ids do not make up "
+                f"free_high_water={high_water}"
+            )
+        if K and free.numel() and bool(torch.isin(free, rows).any()):
+            raise ValueError("state entries 'free' / 'rows': a row id is both free and in use")
+
+        with torch.inference_mode(False):
+            tables = self._new_tables(B)
+            new_keys, new_used, new_rows, new_scores, _ = tables
+            new_keys.view(-1).index_copy_(0, slots, keys)
+            new_rows.view(-1).index_copy_(0, slots, rows)
+            new_scores.view(-1).index_copy_(0, slots, scores)
+            new_used.view(-1).index_fill_(0, slots, True)
+            self.free_list.load_state(high_water, free)
+        self._set_tables(tables)
+        self._size = K
+        self._stats = dict(zip(_COUNTERS, counters.tolist()))
+
+    def to(self, device: torch.device | str) -> KeyIndex:
+        """Move every index tensor and the free list to ``device``."""
+        device = resolve_device(device)
+        with torch.inference_mode(False):
+            tables = tuple(t.to(device) for t in (self._keys, self._used, self._rows, self._scores, self._lock))
+        self.device = device
+        self._set_tables(tables)
+        self.free_list.to(device)
+        self._workspace.to(device)
+        return self
+
+
+def _scalar(state: Mapping[str, torch.Tensor], name: str) -> int:
+    value = state.get(name) if isinstance(state, Mapping) else None
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or value.dim() != 0:
+        raise ValueError(f"state entry '{name}': must be a 0-d int64 tensor, got {_describe(value)}")
+    return int(value)
+
+
+def _vector(state: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    value = state.get(name)
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or value.dim() != 1:
+        raise ValueError(f"state entry '{name}': must be a 1-d int64 tensor, got {_describe(value)}")
+    return value
+
+
+def _describe(value) -> str:
+    if value is None:
+        return "nothing"
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__

@@ -1,0 +1,67 @@
+"""Autograd glue of the fused update: identity-like Functions whose backward hands the per-key
+gradient to the table (which runs the optimizer through the functional layer).
+
+N ids, U unique keys, D embedding dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Lookup:
+    """What one training forward hands its backward: the table, the unique keys [U], their rows
+    [U] (-1 where not in the table), the gathered rows [U, D+S] and the engine version then.
+
+    A lookup's gradient is applied once: the fused update changes the table, so a second backward
+    through the same graph (``retain_graph=True``) raises instead of applying the optimizer twice.
+    """
+
+    __slots__ = ("applied", "data", "keys", "rows", "table", "version")
+
+    def __init__(self, table, keys: torch.Tensor, rows: torch.Tensor, data: torch.Tensor, version: int):
+        self.table, self.keys, self.rows, self.data, self.version = table, keys, rows, data, version
+        self.applied = False
+
+    def apply(self, grad_u: torch.Tensor | None = None, inverse: torch.Tensor | None = None, grad: torch.Tensor | None = None) -> None:
+        """Apply grad_u [U, D], or sum grad [N, D] per key by inverse [N] first."""
+        if self.applied:
+            raise RuntimeError(
+                "backward ran twice through one dynemb lookup: its fused optimizer update was already applied to "
+                "the table by the first backward (retain_graph=True does not make a fused update repeatable). "
+                "Run a new forward for each backward."
+            )
+        self.applied = True
+        self.table._apply_lookup_gradients(self, grad_u, inverse, grad)
+        # The table no longer needs the rows: free them with the graph's first backward.
+        self.data = None
+
+
+class FusedEmbeddings(torch.autograd.Function):
+    """Unique embeddings [U, D] whose backward applies the table's optimizer with their gradient."""
+
+    @staticmethod
+    def forward(ctx, trigger, lookup: Lookup, embedding_dim: int):
+        ctx.lookup = lookup
+        return lookup.data[:, :embedding_dim]
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.lookup.apply(grad_u=grad)
+        return None, None, None
+
+
+class FusedSequence(torch.autograd.Function):
+    """Sequence lookup: unique rows expanded to ids' shape [*, D]; backward sums the gradient per
+    key and applies the table's optimizer."""
+
+    @staticmethod
+    def forward(ctx, trigger, lookup: Lookup, inverse: torch.Tensor, embedding_dim: int):
+        ctx.lookup, ctx.inverse = lookup, inverse
+        D = embedding_dim
+        return lookup.data[:, :D].index_select(0, inverse.reshape(-1)).view(*inverse.shape, D)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.lookup.apply(inverse=ctx.inverse.reshape(-1), grad=grad.reshape(-1, grad.shape[-1]))
+        return None, None, None, None
