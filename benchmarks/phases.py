@@ -3,7 +3,8 @@
 N ids in a batch, D embedding dim.
 
 The timers are installed on one table *instance* (instance attributes shadow its methods and
-those of its index, store, initializer and optimizer); dynemb's source is not touched. CPU ops
+those of its engine, index, free list, store, initializer and optimizer); dynemb's source is
+not touched. CPU ops
 are synchronous, so a phase's wall time is its cost. Phases nest; each is reported with its
 exclusive time (its own time minus that of the phases inside it), so exclusive times add up to
 the step. Timer overhead is a few microseconds per call, ~1e-4 of a step.
@@ -61,24 +62,38 @@ class PhaseTimer:
         self.inclusive.clear()
 
 
-# (owner, attribute, phase name). Private index methods differ between versions of the index;
-# those a version lacks are skipped, and their time shows up in the calling phase.
+# (owner, attribute, phase name). Names differ between versions of dynemb (before the engine
+# split of issue 7 the table did the work itself: ``_gather_batch``, ``_upsert``, ...); those a
+# version lacks are skipped, and their time shows up in the calling phase, so one list profiles
+# old and new checkouts alike. Since the split a train step nests as
+#   lookup (table._gather) > resolve (engine.resolve) > index.upsert_unique > index._locate, ...
+#   apply_lookup_gradients (own time: the per-key gradient sum) > apply_gradients (engine)
 _PHASES = (
+    ("table", "_gather", "lookup"),
     ("table", "_gather_batch", "lookup"),
+    ("engine", "resolve", "resolve"),
     ("table", "_upsert", "upsert"),
     ("index", "upsert_unique", "index.upsert_unique"),
     ("index", "_locate", "index._locate"),
     ("index", "_place_free", "index._place_free"),
     ("index", "_fill", "index._fill"),
+    ("index", "_make_room", "index._make_room"),
+    ("index", "_move_out", "index._move_out"),
     ("index", "_displace", "index._displace"),
     ("index", "_evict_for", "index._evict_for"),
     ("index", "_grow", "index._grow"),
+    ("free_list", "allocate", "free_list.allocate"),
+    ("engine", "new_rows", "new_rows"),
     ("table", "_new_rows", "new_rows"),
+    ("engine", "initializer", "initializer"),
     ("table", "initializer", "initializer"),
+    ("store", "reserve", "store.reserve"),
     ("store", "allocate", "store.allocate"),
     ("store", "gather", "store.gather"),
     ("store", "scatter", "store.scatter"),
+    ("table", "_apply_lookup_gradients", "apply_lookup_gradients"),
     ("table", "_sum_per_key", "sum_per_key"),
+    ("engine", "apply_gradients", "apply_gradients"),
     ("table", "_apply_gradients", "apply_gradients"),
     ("optimizer", "update", "optimizer.update"),
 )
@@ -88,16 +103,27 @@ def instrument(table: torch.nn.Module, timer: PhaseTimer) -> list[str]:
     """Install timers on the phases of ``table``'s forward (lookup) and backward (fused update).
 
     Returns:
-        the phase names this table has no method for (not timed separately).
+        the phases this version of dynemb has no method for under any known name (not timed
+        separately), each with the first name tried.
     """
-    owners = {"table": table, "index": table.index, "store": table.store, "optimizer": table.optimizer}
-    missing = []
+    index = table.index
+    owners = {
+        "table": table,
+        "engine": getattr(table, "engine", None),
+        "index": index,
+        "free_list": getattr(index, "free_list", None),
+        "store": table.store,
+        "optimizer": table.optimizer,
+    }
+    timed, absent = set(), {}
     for owner, attr, name in _PHASES:
-        if hasattr(owners[owner], attr):
-            timer.wrap(owners[owner], attr, name)
+        obj = owners[owner]
+        if obj is not None and hasattr(obj, attr):
+            timer.wrap(obj, attr, name)
+            timed.add(name)
         else:
-            missing.append(name)
-    return missing
+            absent.setdefault(name, f"{owner}.{attr}")
+    return [f"{name} ({where})" for name, where in absent.items() if name not in timed]
 
 
 def profile_steps(

@@ -5,6 +5,7 @@
     python benchmarks/run.py --workload W1 --steps 10 --repeats 3
 
 W1  train step, Zipf(1.05) int64 ids, D=128: dynemb vs torch.nn.Embedding(sparse=True), steps/s.
+W1-evict  the same with the dynemb table at 1/4 of the stream's keys: full, evicting every step.
 W2  KeyIndex find / find_or_insert at load 0.5 and 0.9 vs a Python dict (and a sorted array), keys/s.
 
 Every contender is measured against its reference in the same process and repeat; records are
@@ -42,14 +43,14 @@ GLIBC_KEEP = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
 DOCS_MARKERS = "<!-- results{tag}:begin -->", "<!-- results{tag}:end -->"
 
 # (steps, repeats) per workload; W1 also warms up and profiles a few steps.
-FULL = {"W1": (20, 7), "W2": (30, 5)}
-QUICK = {"W1": (3, 2), "W2": (5, 2)}
+FULL = {"W1": (20, 7), "W1-evict": (20, 7), "W2": (30, 5)}
+QUICK = {"W1": (3, 2), "W1-evict": (3, 2), "W2": (5, 2)}
 DEFAULT_MAX_RETRIES = 3
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", choices=("W1", "W2", "all"), default="all")
+    p.add_argument("--workload", choices=("W1", "W1-evict", "W2", "all"), default="all")
     p.add_argument("--steps", type=int, help="timed steps (W1) or calls (W2) per repeat and contender")
     p.add_argument("--repeats", type=int, help="repeats; each times every contender once")
     p.add_argument("--quick", action="store_true", help="few steps and repeats: a smoke run")
@@ -126,25 +127,47 @@ def _docs_section(records: list[dict], env: dict, command: str, seconds: float) 
         "",
         harness.markdown_table(header, harness.summary_rows(records)),
     ]
-    w1 = [r for r in records if r["workload"] == "W1" and r["contender"] == "dynemb"]
+    for workload in ("W1", "W1-evict"):
+        lines += _w1_lines(workload, records)
+    return "\n".join(lines)
+
+
+def _w1_lines(workload: str, records: list[dict]) -> list[str]:
+    """W1 / W1-evict: stream and table figures per case, then the phase profile's table."""
+    lines = []
+    w1 = [r for r in records if r["workload"] == workload and r["contender"] == "dynemb"]
     if w1:
+        e = w1[0]["extra"]
+        fill = (
+            f" The dynemb table holds {e['capacity']} keys (1/4 of them); it trained alone on the first "
+            f"{e['fill_steps']} batches, which brought that many keys, before the warm-up."
+            if e.get("fill_steps")
+            else ""
+        )
         lines += [
             "",
             (
-                f"W1: {w1[0]['extra']['ids_per_step']} ids per step; the reference table has "
-                f"{w1[0]['extra']['reference_rows']} rows (every key of the pre-generated stream)."
+                f"{workload}: {e['ids_per_step']} ids per step; the reference table has "
+                f"{e['reference_rows']} rows (every key of the pre-generated stream).{fill}"
             ),
         ]
         for r in w1:
             e, s = r["extra"], r["extra"]["stats"]
+            per_step = e.get("table_per_step")
+            timed = (
+                f"; per timed step the table inserted {per_step['inserts']:.0f}, evicted {per_step['evictions']:.0f} "
+                f"and failed {per_step['failed_inserts']:.0f} keys"
+                if per_step
+                else ""
+            )
             lines.append(
                 f"dynemb {r['case']}: timed steps had {e['unique_keys_per_step']:.0f} unique / "
-                f"{e['new_keys_per_step']:.0f} new keys per step; "
+                f"{e['new_keys_per_step']:.0f} new keys per step{timed}; "
                 f"table after them: size {s['size']}, load factor {s['load_factor']:.3f}, inserts {s['inserts']}, "
                 f"evictions {s['evictions']}, failed inserts {s['failed_inserts']}; "
                 f"parity max abs diff {e['parity_max_abs_diff']:.1e}."
             )
-    prof = [r for r in records if r["workload"] == "W1-profile"]
+    prof = [r for r in records if r["workload"] == f"{workload}-profile"]
     if prof:
         cases = list(dict.fromkeys(r["case"] for r in prof))
         by_phase: dict[str, dict[str, dict]] = {}
@@ -154,7 +177,7 @@ def _docs_section(records: list[dict], env: dict, command: str, seconds: float) 
         lines += [
             "",
             (
-                "W1 dynemb step, exclusive wall time per phase, median over the profiled steps (others used at "
+                f"{workload} dynemb step, exclusive wall time per phase, median over the profiled steps (others used at "
                 f"most {others:.0%} of the CPUs); a phase's own time excludes the phases nested in it, so the "
                 "column adds up to the step:"
             ),
@@ -179,7 +202,7 @@ def _docs_section(records: list[dict], env: dict, command: str, seconds: float) 
         ]
         rows.append(["**sum**"] + totals)
         lines.append(harness.markdown_table(header, rows))
-    return "\n".join(lines)
+    return lines
 
 
 def update_docs(section: str, allocator: str) -> None:
@@ -228,8 +251,10 @@ def main(argv: list[str]) -> int:
     load = harness.OthersLoad()
     t0 = time.perf_counter()
     records: list[dict] = []
-    if args.workload in ("W1", "all"):
-        steps, repeats = _sizes(args, "W1")
+    for workload, fraction in (("W1", None), ("W1-evict", w1_train_step.EVICT_CAPACITY_FRACTION)):
+        if args.workload not in (workload, "all"):
+            continue
+        steps, repeats = _sizes(args, workload)
         cfg = w1_train_step.W1Config(
             steps=steps,
             repeats=repeats,
@@ -237,6 +262,7 @@ def main(argv: list[str]) -> int:
             profile_steps=0 if args.no_profile else (2 if args.quick else 5),
             max_retries=_max_retries(args, repeats),
             seed=args.seed,
+            capacity_fraction=fraction,
         )
         records += w1_train_step.run(cfg, env)
     if args.workload in ("W2", "all"):

@@ -1,12 +1,16 @@
-"""W1, train step: dynemb.DynamicEmbedding against a static torch.nn.Embedding(sparse=True).
+"""W1 and W1-evict, train step: dynemb.DynamicEmbedding against a static torch.nn.Embedding(sparse=True).
 
-N ids per step, D embedding dim, K distinct keys over all pre-generated batches, T batches.
+N ids per step, D embedding dim, K distinct keys over all pre-generated batches, T batches,
+C the dynemb table's capacity.
 
 Every step looks up N ids drawn Zipf(1.05) over 1e8 ranks scrambled into arbitrary int64 keys,
 takes loss = (out * v).sum() for a fixed random v [D], and runs backward:
 
-* dynemb: ``DynamicEmbedding(D, 2**22, optimizer=..., check_mode='count')`` on the raw keys; the
+* dynemb: ``DynamicEmbedding(D, C, optimizer=..., check_mode='count')`` on the raw keys; the
   fused optimizer update runs inside backward; new keys are inserted and initialised per key.
+  W1: C = 2**22, more than K, so nothing is evicted. W1-evict: C = K / 4; before the warm-up the
+  table trains (untimed) on leading batches of the stream until they have brought C distinct
+  keys, so it is full and evicts (default timestamp scores) in every timed step.
 * reference: ``torch.nn.Embedding(K, D, sparse=True)`` on ids remapped to [0, K) before timing
   (torch.unique over every batch), then the same optimizer maths on the sparse gradient:
   ``torch.optim.SGD``, or FBGEMM's row-wise Adagrad written in plain torch on the coalesced grad.
@@ -33,6 +37,8 @@ NUM_RANKS = 10**8
 EXPONENT = 1.05
 DIM = 128
 CAPACITY = 1 << 22
+# W1-evict: the table holds this share of the keys of the stream.
+EVICT_CAPACITY_FRACTION = 0.25
 LR = 0.01
 EPS = 1e-8
 CASES = ("sgd", "rowwise_adagrad")
@@ -48,6 +54,17 @@ class W1Config:
     profile_steps: int  # dynemb steps run with phase timers after the measurement (0: none)
     max_retries: int  # repeats that may be discarded because other processes loaded the CPUs
     seed: int = 0
+    # None: W1 (capacity CAPACITY); else W1-evict: capacity = this share of the stream's keys.
+    capacity_fraction: float | None = None
+
+    def __post_init__(self):
+        f = self.capacity_fraction
+        if f is not None and not 0 < f < 1:
+            raise ValueError(f"capacity_fraction={f!r}: must be None or in (0, 1)")
+
+    @property
+    def workload(self) -> str:
+        return "W1" if self.capacity_fraction is None else "W1-evict"
 
 
 def dynemb_optimizer(case: str) -> dynemb.optim.RowOptimizer:
@@ -92,9 +109,9 @@ class Reference:
 class Contender:
     """dynemb.DynamicEmbedding on raw int64 keys; the optimizer runs inside backward."""
 
-    def __init__(self, case: str, v: torch.Tensor):
+    def __init__(self, case: str, v: torch.Tensor, capacity: int):
         self.v = v
-        self.table = dynemb.DynamicEmbedding(DIM, CAPACITY, optimizer=dynemb_optimizer(case), check_mode="count")
+        self.table = dynemb.DynamicEmbedding(DIM, capacity, optimizer=dynemb_optimizer(case), check_mode="count")
 
     def step(self, keys: torch.Tensor) -> None:
         out = self.table(keys)  # [N, D]
@@ -145,16 +162,26 @@ def _steps_per_second(step, batches: torch.Tensor) -> tuple[float, float | None]
 
 
 def _one_repeat(
-    attempt: int, *, case: str, cfg: W1Config, contender: Contender, reference: Reference, batches, dense, log
+    attempt: int,
+    *,
+    case: str,
+    cfg: W1Config,
+    start: int,
+    contender: Contender,
+    reference: Reference,
+    batches,
+    dense,
+    log,
 ) -> tuple[dict[str, float], list[float | None]]:
-    """Time both contenders on slice ``attempt`` of the stream, in alternating order; returns
-    their steps/s and other processes' CPU share during each."""
-    part = slice(cfg.warmup + attempt * cfg.steps, cfg.warmup + (attempt + 1) * cfg.steps)
+    """Time both contenders on slice ``attempt`` of the stream after batch ``start``, in
+    alternating order; returns their steps/s and other processes' CPU share during each."""
+    part = slice(start + attempt * cfg.steps, start + (attempt + 1) * cfg.steps)
     runs = [("dynemb", contender.step, batches[part]), ("reference", reference.step, dense[part])]
     measured = {name: _steps_per_second(step, data) for name, step, data in (runs if attempt % 2 == 0 else runs[::-1])}
     rates = {name: rate for name, (rate, _) in measured.items()}
     log(
-        f"W1 {case} attempt {attempt}: dynemb {rates['dynemb']:.2f} steps/s, reference {rates['reference']:.2f} steps/s"
+        f"{cfg.workload} {case} attempt {attempt}: dynemb {rates['dynemb']:.2f} steps/s, "
+        f"reference {rates['reference']:.2f} steps/s"
     )
     return rates, [share for _, share in measured.values()]
 
@@ -171,63 +198,126 @@ def key_counts(batches: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return dense.view(T, N), unique, new, keys.numel()
 
 
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    """The pre-generated batches of a run and what it derives from them."""
+
+    batches: torch.Tensor  # [T, N] int64 keys
+    dense: torch.Tensor  # [T, N] the same as ids in [0, K), for the reference
+    unique: torch.Tensor  # [T] distinct keys per batch
+    new: torch.Tensor  # [T] keys no earlier batch had
+    num_keys: int  # K
+    capacity: int  # C asked of the dynemb table
+    fill: int  # leading batches the dynemb table trains on alone before the warm-up (W1-evict)
+    v: torch.Tensor  # [D] weights of the loss
+
+
+def make_stream(cfg: W1Config) -> Stream:
+    """Batches for the fill (W1-evict), the warm-up, every attempt (repeats and spare slices for
+    noisy ones), the profiled steps and 2 steps for torch.profiler, in that order."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    tail = cfg.warmup + (cfg.repeats + cfg.max_retries) * cfg.steps + cfg.profile_steps + (2 if cfg.profile_steps else 0)
+    parts: list[torch.Tensor] = []
+    fill = 0
+    while True:
+        parts += [zipf_keys(IDS_PER_STEP, NUM_RANKS, EXPONENT, gen) for _ in range(fill + tail - len(parts))]
+        batches = torch.stack(parts)  # [T, N]
+        dense, unique, new, K = key_counts(batches)
+        if cfg.capacity_fraction is None:
+            capacity = CAPACITY
+            break
+        capacity = int(cfg.capacity_fraction * K)
+        # Batches until the stream has brought C distinct keys. Appending them makes K, hence C,
+        # larger: repeat until the fill no longer grows (C grows by a fraction of what it adds).
+        needed = int((new.cumsum(0) < capacity).sum()) + 1
+        if needed <= fill:
+            break
+        fill = needed
+    v = torch.randn(DIM, generator=gen)
+    return Stream(batches, dense, unique, new, K, capacity, fill, v)
+
+
 def run(cfg: W1Config, env: dict, log=print) -> list[dict]:
     """Measure both cases; return their records (and the phase profile's, if asked)."""
-    gen = torch.Generator().manual_seed(cfg.seed)
-    # Spare slices for repeats discarded as noisy, then the profiled steps.
-    attempts = cfg.repeats + cfg.max_retries
-    profile_at = cfg.warmup + attempts * cfg.steps
-    T = profile_at + cfg.profile_steps + (2 if cfg.profile_steps else 0)
+    name = cfg.workload
     t0 = time.perf_counter()
-    batches = torch.stack([zipf_keys(IDS_PER_STEP, NUM_RANKS, EXPONENT, gen) for _ in range(T)])  # [T, N]
-    dense, unique, new, K = key_counts(batches)
-    v = torch.randn(DIM, generator=gen)
-    log(f"W1: {T} batches of {IDS_PER_STEP} ids, {K} distinct keys, generated in {time.perf_counter() - t0:.1f} s")
+    st = make_stream(cfg)
+    K = st.num_keys
+    log(
+        f"{name}: {st.batches.shape[0]} batches of {IDS_PER_STEP} ids, {K} distinct keys, generated in "
+        f"{time.perf_counter() - t0:.1f} s; dynemb capacity {st.capacity}"
+        + (f", filled by the first {st.fill} batches" if st.fill else "")
+    )
+    start = st.fill + cfg.warmup  # first timed batch
+    profile_at = start + (cfg.repeats + cfg.max_retries) * cfg.steps
 
     records = []
     for case in CASES:
         parity = parity_error(case, cfg.seed)
-        log(f"W1 {case}: max |dynemb - reference| after 4 small steps: {parity:.2e}")
+        log(f"{name} {case}: max |dynemb - reference| after 4 small steps: {parity:.2e}")
         if parity > PARITY_TOLERANCE:
-            raise RuntimeError(f"W1 {case}: dynemb and the reference disagree by {parity:.2e} > {PARITY_TOLERANCE}")
-        contender, reference = Contender(case, v), Reference(case, K, v)
-        for i in range(cfg.warmup):
-            contender.step(batches[i])
-            reference.step(dense[i])
+            raise RuntimeError(f"{name} {case}: dynemb and the reference disagree by {parity:.2e} > {PARITY_TOLERANCE}")
+        contender, reference = Contender(case, st.v, st.capacity), Reference(case, K, st.v)
+        t0 = time.perf_counter()
+        for i in range(st.fill):
+            contender.step(st.batches[i])
+        if st.fill:
+            s = contender.table.stats()
+            log(
+                f"{name} {case}: fill of {st.fill} steps took {time.perf_counter() - t0:.1f} s; table size {s['size']} "
+                f"of {s['capacity']}, evictions {s['evictions']}, failed inserts {s['failed_inserts']}"
+            )
+        for i in range(st.fill, start):
+            contender.step(st.batches[i])
+            reference.step(st.dense[i])
 
         one_repeat = functools.partial(
             _one_repeat,
             case=case,
             cfg=cfg,
+            start=start,
             contender=contender,
             reference=reference,
-            batches=batches,
-            dense=dense,
+            batches=st.batches,
+            dense=st.dense,
             log=log,
         )
+        before = contender.table.stats()
         results, noise = quiet_repeats(one_repeat, cfg.repeats, cfg.max_retries, log)
-        rates = {name: [r[name] for r in results] for name in ("dynemb", "reference")}
-        consumed = cfg.warmup + (cfg.repeats + noise["discarded"]) * cfg.steps
         table_stats = contender.table.stats()
-        window = slice(cfg.warmup, consumed)
+        rates = {who: [r[who] for r in results] for who in ("dynemb", "reference")}
+        # dynemb trained on every attempt's slice, discarded ones included.
+        table_steps = (cfg.repeats + noise["discarded"]) * cfg.steps
+        consumed = start + table_steps
+        window = slice(start, consumed)
         extra = {
             "ids_per_step": IDS_PER_STEP,
-            "unique_keys_per_step": unique[window].double().mean().item(),
-            "new_keys_per_step": new[window].double().mean().item(),
+            "unique_keys_per_step": st.unique[window].double().mean().item(),
+            "new_keys_per_step": st.new[window].double().mean().item(),
             "reference_rows": K,
+            "capacity": table_stats["capacity"],
+            "fill_steps": st.fill,
             "warmup": cfg.warmup,
             "steps": cfg.steps,
             "repeats": cfg.repeats,
             **noise,
         }
+        # Table counters over the timed steps: keys inserted (new to the table, re-inserted after
+        # eviction included), evicted, and failed, per step.
+        per_step = {
+            counter: (table_stats[counter] - before[counter]) / table_steps
+            for counter in ("inserts", "evictions", "failed_inserts")
+        }
         log(
-            f"W1 {case}: timed steps had {extra['unique_keys_per_step']:.0f} unique / "
-            f"{extra['new_keys_per_step']:.0f} new keys per step on average"
+            f"{name} {case}: timed steps had {extra['unique_keys_per_step']:.0f} unique / "
+            f"{extra['new_keys_per_step']:.0f} new keys per step on average; table per step: "
+            + ", ".join(f"{counter} {value:.0f}" for counter, value in per_step.items())
+            + f"; load factor {table_stats['load_factor']:.3f}"
         )
         ref_name = "torch.nn.Embedding+" + ("torch.optim.SGD" if case == "sgd" else "rowwise_adagrad(plain torch)")
         records.append(
             record(
-                workload="W1",
+                workload=name,
                 case=case,
                 contender="dynemb",
                 unit="steps/s",
@@ -238,14 +328,15 @@ def run(cfg: W1Config, env: dict, log=print) -> list[dict]:
                     **extra,
                     "parity_max_abs_diff": parity,
                     "stats": table_stats,
+                    "table_per_step": per_step,
                     # Equals stats["inserts"] unless keys were evicted and seen again, or failed.
-                    "new_keys_total": int(new[:consumed].sum()),
+                    "new_keys_total": int(st.new[:consumed].sum()),
                 },
             )
         )
         records.append(
             record(
-                workload="W1",
+                workload=name,
                 case=case,
                 contender=ref_name,
                 unit="steps/s",
@@ -256,13 +347,15 @@ def run(cfg: W1Config, env: dict, log=print) -> list[dict]:
         )
         del reference
         if cfg.profile_steps:
-            records += _profile(case, contender, batches[profile_at:], cfg.profile_steps, env, log)
+            records += _profile(name, case, contender, st.batches[profile_at:], cfg.profile_steps, env, log)
         del contender
         settle()
     return records
 
 
-def _profile(case: str, contender: Contender, batches: torch.Tensor, steps: int, env: dict, log) -> list[dict]:
+def _profile(
+    workload: str, case: str, contender: Contender, batches: torch.Tensor, steps: int, env: dict, log
+) -> list[dict]:
     """Phase breakdown of dynemb steps that continue the stream, and the top ops of two more."""
     timer = PhaseTimer()
     untimed = instrument(contender.table, timer)
@@ -274,18 +367,18 @@ def _profile(case: str, contender: Contender, batches: torch.Tensor, steps: int,
     rows = phase_table(per_step)
     lines = [
         (
-            f"W1 {case}: dynemb step phases (exclusive ms per step, median of {steps} steps; "
+            f"{workload} {case}: dynemb step phases (exclusive ms per step, median of {steps} steps; "
             f"others used {others or 0:.0%} of the CPUs)"
         )
     ]
     lines += [f"  {path:<75} {med * 1e3:8.2f} ms  {share:6.1%}" for path, med, share in rows]
     lines.append(f"  {'sum':<75} {sum(m for _, m, _ in rows) * 1e3:8.2f} ms")
     lines.append(f"  (no such method in this version, not timed apart: {', '.join(untimed) or 'none'})")
-    lines.append(f"W1 {case}: top ops by self CPU time over {batches.shape[0] - steps} more steps\n{top}")
+    lines.append(f"{workload} {case}: top ops by self CPU time over {batches.shape[0] - steps} more steps\n{top}")
     log("\n".join(lines))
     return [
         record(
-            workload="W1-profile",
+            workload=f"{workload}-profile",
             case=case,
             contender=f"dynemb:{path}",
             unit="s/step",

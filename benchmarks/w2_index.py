@@ -1,12 +1,21 @@
-"""W2, index micro-benchmark: dynemb.KeyIndex find / find_or_insert at load factors 0.5 and 0.9.
+"""W2, index micro-benchmark: dynemb.KeyIndex find / find_or_insert at load factors 0.5 and 0.9,
+and how full the index gets before its first eviction.
 
 N keys per call, C index capacity, P keys present in the index.
 
-The index (C = 2**22 slots, the default bucket width, timestamp scores, check_mode='count') is filled with
-random int64 keys to the target load factor; then, per repeat, ``steps`` calls of N keys are
-timed. ``find`` queries present keys drawn uniformly (with repeats); ``find_or_insert`` queries
-the same mix with a fraction NEW_FRACTION of never-seen keys. After each timed find_or_insert
-call the new keys are erased (untimed), so every call runs at the target load factor.
+The index (C = 2**22 slots, the default bucket width, timestamp scores; the clock ``now`` is the
+call count) is filled with random int64 keys to the target load factor; then, per repeat,
+``steps`` calls of N keys are timed. ``find`` queries present keys drawn uniformly (with
+repeats); ``find_or_insert`` queries the same mix with a fraction NEW_FRACTION of never-seen
+keys. After each timed find_or_insert call the new keys are erased (untimed), so every call runs
+at the target load factor.
+
+First eviction (untimed): a fresh index of the same options takes distinct random keys in
+batches of N until a call evicts or fails a key; the load factor then is recorded and must be
+at least FIRST_EVICTION_MIN. Filling goes on past the capacity (load 1.0, evicting). Every call
+of this fill, and every timed find_or_insert and erase, is checked against a set of the keys the
+index should hold: keys before + new keys = keys after + evicted + failed, and each key that
+left is reported; at loads 0.5, 0.9, 0.95 and 1.0 the index's keys must equal that set.
 
 References, measured in the same repeat on the same queries:
 * ``dict``: a Python dict key -> row id holding the same P keys, called as a user with tensors
@@ -26,7 +35,6 @@ from harness import OthersLoad, paired_ratio, quiet_repeats, record, settle
 from keygen import distinct_keys
 
 import dynemb
-from dynemb.table.free_list import FreeList
 from dynemb.table.index import rounded_capacity
 
 KEYS_PER_CALL = 65536
@@ -38,6 +46,10 @@ NEW_FRACTION = 0.1
 # Fill keys come from scramble(0 ..), never-seen query keys from scramble(NEW_BASE ..): disjoint.
 NEW_BASE = 1 << 40
 FILL_SLACK = 4096
+FIRST_EVICTION_MIN = 0.95
+CHECKED_LOADS = (0.5, 0.9, 0.95, 1.0)
+# First-eviction keys come from scramble(FIRST_BASE ..), disjoint from the others.
+FIRST_BASE = 1 << 50
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -87,16 +99,104 @@ class SortedArrayIndex:
         return rows, found
 
 
-def _fill(index: dynemb.KeyIndex, target: float, next_key: int) -> int:
+class Ledger:
+    """The keys an index should hold, as a Python set, updated from each call's result: nothing
+    may leave the index without being reported."""
+
+    def __init__(self, index: dynemb.KeyIndex):
+        self.index = index
+        self.held: set[int] = set()
+
+    def inserted(self, keys: torch.Tensor, size_before: int, r) -> None:
+        """Check a find_or_insert of ``keys`` that started at ``size_before`` keys."""
+        batch = set(keys.tolist())
+        new = batch - self.held
+        evicted, failed = r.evicted_keys.tolist(), r.failed_keys.tolist()
+        assert size_before + len(new) == self.index.size() + len(evicted) + len(failed), "conservation"
+        assert len(set(evicted)) == len(evicted) and all(k in self.held and k not in batch for k in evicted)
+        assert len(set(failed)) == len(failed) and all(k in new for k in failed)
+        self.held |= new
+        self.held.difference_update(evicted)
+        self.held.difference_update(failed)
+        assert self.index.size() == len(self.held)
+
+    def erased(self, keys: torch.Tensor, size_before: int, r) -> None:
+        gone = r.evicted_keys.tolist()
+        assert sorted(gone) == sorted(set(keys.tolist()) & self.held) and size_before == self.index.size() + len(gone)
+        self.held.difference_update(gone)
+
+    def verify(self) -> None:
+        """The index holds exactly the keys of the ledger."""
+        held = set()
+        for keys, _, _ in self.index.export(1 << 20):
+            held.update(keys.tolist())
+        assert held == self.held, f"{len(held ^ self.held)} keys differ between the index and the ledger"
+
+
+class Clock:
+    """The ``now`` of the timestamp strategy: one tick per call."""
+
+    def __init__(self):
+        self.now = 0
+
+    def tick(self) -> int:
+        self.now += 1
+        return self.now
+
+
+def _fill(index: dynemb.KeyIndex, target: float, next_key: int, clock: Clock) -> int:
     """Insert fresh keys until ``index`` reaches load factor ``target``; returns the next key rank."""
     goal = int(target * index.capacity())
     while index.size() < goal:
         # A call adds at most n keys (those that land in full buckets evict instead), so the
         # load overshoots the target by at most FILL_SLACK / capacity.
         n = min(KEYS_PER_CALL, max(goal - index.size(), FILL_SLACK))
-        index.find_or_insert(distinct_keys(next_key, n))
+        index.find_or_insert(distinct_keys(next_key, n), now=clock.tick())
         next_key += n
     return next_key
+
+
+def first_eviction(log) -> dict:
+    """Fill a fresh index in batches of N past its capacity, checking every call (see module
+    docstring); returns the figures of the first eviction."""
+    index = dynemb.KeyIndex(capacity=CAPACITY, bucket_capacity=BUCKET_CAPACITY)
+    ledger, clock = Ledger(index), Clock()
+    checks = list(CHECKED_LOADS)
+    first = None
+    offered = 0
+    t0 = time.perf_counter()
+    # Up to the capacity in keys offered, then a few calls more: the index is full and evicts.
+    while offered < index.capacity() + 4 * KEYS_PER_CALL:
+        keys = distinct_keys(FIRST_BASE + offered, KEYS_PER_CALL)
+        offered += KEYS_PER_CALL
+        size = index.size()
+        r = index.find_or_insert(keys, now=clock.tick())
+        ledger.inserted(keys, size, r)
+        if first is None and (r.evicted_keys.numel() or r.failed_keys.numel()):
+            # The call filled every free slot it could reach before evicting: the keys held now
+            # were all placed without loss.
+            first = {
+                "load_factor": index.load_factor(),
+                "empty_slots": index.capacity() - index.size(),
+                "load_factor_before_call": size / index.capacity(),
+                "evicted": r.evicted_keys.numel(),
+                "failed": r.failed_keys.numel(),
+            }
+            log(f"W2 first eviction at load factor {first['load_factor']:.5f} ({first['empty_slots']} empty slots)")
+        while checks and checks[0] < 1.0 and index.load_factor() >= checks[0]:
+            ledger.verify()
+            checks.pop(0)
+    ledger.verify()
+    assert first is not None, "no eviction after filling past the capacity"
+    assert first["load_factor"] >= FIRST_EVICTION_MIN, (
+        f"first eviction at load factor {first['load_factor']:.4f} < {FIRST_EVICTION_MIN}"
+    )
+    stats = index.stats()
+    log(
+        f"W2 no key lost at loads {CHECKED_LOADS}: {offered} keys offered, {stats['evictions']} evicted, "
+        f"{stats['failed_inserts']} failed, {time.perf_counter() - t0:.1f} s"
+    )
+    return {**first, "final_load_factor": index.load_factor(), "offered": offered, "stats": stats}
 
 
 def _present(index: dynemb.KeyIndex) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,8 +222,11 @@ def _keys_per_second(op, queries: list[torch.Tensor], after=None) -> tuple[float
 class _Session:
     """The index at one load factor, its references, and the query stream of its repeats."""
 
-    def __init__(self, cfg: W2Config, index: dynemb.KeyIndex, load: float, gen: torch.Generator, next_new: int, log):
+    def __init__(
+        self, cfg: W2Config, index: dynemb.KeyIndex, load: float, gen: torch.Generator, next_new: int, clock: Clock, log
+    ):
         self.cfg, self.index, self.load, self.gen, self.next_new, self.log = cfg, index, load, gen, next_new, log
+        self.clock = clock
         keys, rows = _present(index)
         self.dict_index, self.sorted_index = DictIndex(keys, rows), SortedArrayIndex(keys, rows)
         self.found_fraction: list[float] = []
@@ -148,11 +251,25 @@ class _Session:
         found = sum(int(index.find(q)[1].sum()) for q in upserts)
         self.found_fraction.append(found / (cfg.steps * KEYS_PER_CALL))
         d, sa = self.dict_index, self.sorted_index
+        clock, last = self.clock, {}
+        # The present keys are this index's own; the ledger checks the new ones and the erase.
+        ledger = Ledger(index)
+        ledger.held = set(present.tolist())
+
+        def upsert(q: torch.Tensor) -> None:
+            last["size"] = index.size()
+            last["result"] = index.find_or_insert(q, now=clock.tick())
+
+        def check_and_erase(i: int) -> None:
+            ledger.inserted(upserts[i], last["size"], last["result"])
+            size = index.size()
+            ledger.erased(fresh[i], size, index.erase(fresh[i]))
+
         runs = [
             (("find", "dynemb"), index.find, finds, None),
             (("find", "dict"), d.find, finds, None),
             (("find", "sorted-array"), sa.find, finds, None),
-            (("find_or_insert", "dynemb"), index.find_or_insert, upserts, lambda i: index.erase(fresh[i])),
+            (("find_or_insert", "dynemb"), upsert, upserts, check_and_erase),
             (("find_or_insert", "dict"), d.find_or_insert, upserts, lambda i: d.erase(fresh[i])),
         ]
         order = runs if attempt % 2 == 0 else runs[::-1]
@@ -166,15 +283,31 @@ class _Session:
 def run(cfg: W2Config, env: dict, log=print) -> list[dict]:
     gen = torch.Generator().manual_seed(cfg.seed)
     capacity = rounded_capacity(CAPACITY, None, BUCKET_CAPACITY)
-    index = dynemb.KeyIndex(
-        capacity=capacity, allocator=FreeList(capacity), bucket_capacity=BUCKET_CAPACITY, check_mode="count"
-    )
+    first = first_eviction(log)
+    records = [
+        record(
+            workload="W2",
+            case="first_eviction",
+            contender="dynemb.KeyIndex",
+            unit="empty slots",
+            values=[first["empty_slots"]],
+            env=env,
+            extra={
+                **first,
+                "keys_per_call": KEYS_PER_CALL,
+                "capacity": capacity,
+                "bucket_capacity": BUCKET_CAPACITY,
+                "no_loss_checked_at": list(CHECKED_LOADS),
+            },
+        )
+    ]
+    index = dynemb.KeyIndex(capacity=capacity, bucket_capacity=BUCKET_CAPACITY)
+    clock = Clock()
     next_key, next_new = 0, NEW_BASE
-    records = []
     for load in LOAD_FACTORS:
         t0 = time.perf_counter()
-        next_key = _fill(index, load, next_key)
-        session = _Session(cfg, index, load, gen, next_new, log)
+        next_key = _fill(index, load, next_key, clock)
+        session = _Session(cfg, index, load, gen, next_new, clock, log)
         fill_stats = index.stats()
         log(
             f"W2 load {load}: filled to {index.load_factor():.3f} ({index.size()} keys, "

@@ -17,6 +17,7 @@ PUBLIC = {
     "Initializer",
     "InsertionError",
     "KeyIndex",
+    "NonFiniteGrads",
     "PoolingMode",
     "ScoreStrategy",
     "TableConfig",
@@ -45,3 +46,36 @@ def test_public_api():
     for name in PUBLIC:
         assert hasattr(dynemb, name), name
     assert set(dynemb.optim.__all__) == {"SGD", "Adagrad", "RowWiseAdagrad", "Adam", "RowOptimizer"}
+    assert {"DynamicEmbedding", "DynamicEmbeddingBag", "DynamicTable", "TableEngine", "Resolved"} <= set(dynemb.nn.__all__)
+
+
+# Each layer may import the shared modules and the layers listed before it (DESIGN.md, "Layers").
+_SHARED = {"dynemb.types", "dynemb.config", "dynemb.errors", "dynemb.hashing", "dynemb.workspace"}
+_LAYERS = ["table", "storage", "optim", "nn"]
+
+
+def test_layers_import_only_the_layers_above_them():
+    import ast
+    import pathlib
+
+    root = pathlib.Path(dynemb.__file__).parent
+    for i, layer in enumerate(_LAYERS):
+        allowed = _SHARED | {f"dynemb.{other}" for other in _LAYERS[: i + 1]}
+        for path in (root / layer).glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                for name in names:
+                    if name.startswith("dynemb"):
+                        assert any(name == ok or name.startswith(ok + ".") for ok in allowed), f"{path.name} imports {name}"
+
+
+def test_contracts_are_protocols():
+    from typing import Protocol
+
+    from dynemb.storage.base import RowStore
+    from dynemb.storage.device_store import DeviceRowStore
+    from dynemb.table.base import Index
+
+    assert Protocol in Index.__mro__ and Protocol in RowStore.__mro__
+    assert isinstance(dynemb.KeyIndex(capacity=64), Index)
+    assert isinstance(DeviceRowStore(4, 8), RowStore)

@@ -34,28 +34,36 @@ class _StrEnum(str, enum.Enum):
 
 
 class ScoreStrategy(_StrEnum):
-    """What a key's score means; the lowest-scored unlocked key of a full bucket is evicted.
+    """What a key's score means, and which key makes room for a new one.
 
-    ============  ===========================================  ==================================
-    strategy      score of a key                               on a full bucket
-    ============  ===========================================  ==================================
-    timestamp     wall-clock ns of its last training use       evict the least recently used key
-                  (strictly increasing per table)
-    step          table step (one per training forward) of     evict the key unused for the most
-                  its last training use                        steps
-    lfu           number of times it was looked up in          evict the least frequent key; a new
-                  training (duplicates in a batch count)       key only replaces one that is not
-                                                               more frequent than itself
-    customized    the value the caller gives                   evict the lowest given score; a new
-                  (``scores=`` or ``set_score``)               key only replaces a key whose score
+    A new key goes to a free slot of its two candidate buckets; below its capacity the table
+    grows instead of evicting; at capacity, keys of full buckets first move to their other
+    bucket to free a slot. Only then is the lowest-scored unlocked key of the new key's 2W
+    candidate slots evicted, by the rule below. The clock ``now`` is the caller's (a step or a
+    timestamp); the index never reads wall time.
+
+    ============  ===========================================  ====================================
+    strategy      score of a key                               when no slot can be freed
+    ============  ===========================================  ====================================
+    timestamp     ``now`` (a timestamp) of its last use        evict the least recently used key
+                                                               if its score is not above ``now``
+    step          ``now`` (the training step) of its           evict the key unused for the most
+                  last use                                     steps, as for timestamp
+    lfu           number of times it was looked up             evict the least frequent key,
+                  (duplicates in a batch count;                whatever the new key's count (an
+                  saturating at the int64 maximum)             LFU cache): fails only if every
+                                                               candidate is used by the batch
+    customized    the value the caller gives (``scores=``)     evict the lowest given score; a new
+                                                               key only replaces a key whose score
                                                                is not higher than its own
-    no_eviction   table step of its last training use          nothing is evicted: the key fails
-                                                               (see CheckMode)
-    ============  ===========================================  ==================================
+    no_eviction   ``now`` of its last use                      nothing is evicted: the key fails
+                                                               (and is reported, see CheckMode)
+    ============  ===========================================  ====================================
 
-    Ties: among equal scores the key in the lower slot of the bucket is evicted first; among new
-    keys competing for one bucket the higher score wins, then the smaller key. A key looked up in
-    the current batch is never evicted by that batch.
+    Ties: among equal scores the key in the first candidate bucket, then in the lower slot, is
+    evicted first; among new keys competing for one bucket the higher score wins, then the
+    smaller key. A key looked up in the current batch is never evicted by that batch. Scores
+    given by the caller (``scores=``) are assigned under every strategy.
     """
 
     TIMESTAMP = "timestamp"

@@ -75,16 +75,14 @@ def export_sorted(index) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 class DictModel:
     """What the index holds, as dicts, and the score a batch gives each key under a strategy.
 
-    ``clock`` is a logical clock for the timestamp strategy: one tick per call that uses it; the
-    tests map it to the index's nanosecond timestamps, which only have to be strictly increasing.
+    ``now`` is the clock the tests pass to the index (``timestamp``, ``step``, ``no_eviction``).
     """
 
     def __init__(self, strategy: str):
         self.strategy = strategy
         self.row: dict[int, int] = {}
         self.score: dict[int, int] = {}
-        self.step = 0
-        self.clock = 0
+        self.now = 0
         self.stats = {"inserts": 0, "evictions": 0, "failed_inserts": 0, "growths": 0}
 
     def batch_scores(self, keys: list[int], scores: list[int] | None) -> dict[int, int]:
@@ -96,18 +94,50 @@ class DictModel:
             return batch
         if self.strategy == "lfu":
             return {k: keys.count(k) for k in set(keys)}
-        if self.strategy == "timestamp":
-            self.clock += 1
-            return {k: self.clock for k in set(keys)}
         if self.strategy == "customized":
             raise ValueError("customized needs scores")
-        return {k: self.step for k in set(keys)}
+        return {k: self.now for k in set(keys)}
 
     def apply_found(self, keys: list[int], batch: dict[int, int], given: bool) -> None:
         """Update the scores of the keys of a batch that were already held."""
         for k in set(keys):
             if k in self.row:
                 if self.strategy == "lfu" and not given:
-                    self.score[k] += keys.count(k)
+                    self.score[k] = min(self.score[k] + keys.count(k), INT64_MAX)
                 else:
                     self.score[k] = batch[k]
+
+
+@functools.cache
+def _keys_with_candidates(num_buckets: int, pair: tuple[int, int], n: int, start: int) -> tuple[int, ...]:
+    found: list[int] = []
+    lo = start
+    while len(found) < n:
+        cand = torch.arange(lo, lo + (1 << 16), dtype=torch.int64)
+        b1, b2 = candidate_buckets(cand, num_buckets)
+        found.extend(cand[(b1 == pair[0]) & (b2 == pair[1])].tolist())
+        lo += 1 << 16
+    return tuple(found[:n])
+
+
+def keys_with_candidates(num_buckets: int, first: int, second: int, n: int = 1, start: int = 1) -> list[int]:
+    """The first ``n`` keys >= ``start`` whose candidate buckets are (``first``, ``second``)."""
+    return list(_keys_with_candidates(num_buckets, (first, second), n, start))
+
+
+def state_with_layout(index, placement: dict[int, tuple[int, int]], scores: dict[int, int] | None = None) -> dict:
+    """A state_dict for ``index`` (same geometry, at its current buckets) holding ``placement``:
+    key -> (bucket, slot), row ids 0, 1, ... in the order given, scores 0 unless given."""
+    W = index.bucket_capacity
+    keys = list(placement)
+    state = index.state_dict()
+    n = len(keys)
+    state.update(
+        keys=torch.tensor(keys, dtype=torch.int64),
+        rows=torch.arange(n, dtype=torch.int64),
+        scores=torch.tensor([(scores or {}).get(k, 0) for k in keys], dtype=torch.int64),
+        slots=torch.tensor([b * W + s for b, s in placement.values()], dtype=torch.int64),
+        free_high_water=torch.tensor(n, dtype=torch.int64),
+        free=torch.empty(0, dtype=torch.int64),
+    )
+    return state

@@ -89,3 +89,66 @@ def test_negative_count_is_rejected():
 def test_bad_capacity(capacity):
     with pytest.raises(ValueError, match=f"capacity={capacity}"):
         FreeList(capacity)
+
+
+def test_state_round_trip_restores_reuse_order():
+    fl = FreeList(10)
+    fl.allocate(6)
+    fl.release(ids([4, 1]))
+    fl.release(ids([5]))
+    state = fl.state()
+    assert state["high_water"] == 6 and state["free"].tolist() == [4, 1, 5]
+    twin = FreeList(10)
+    twin.load_state(state["high_water"], state["free"])
+    assert twin.num_used() == fl.num_used() == 3 and twin.num_free() == fl.num_free()
+    # The state is a copy: changing it changes neither list.
+    state["free"].fill_(0)
+    for n in (1, 3, 2):
+        assert torch.equal(twin.allocate(n), fl.allocate(n))
+    assert twin.state()["high_water"] == fl.state()["high_water"] == 9
+
+
+@pytest.mark.parametrize(
+    "high_water,free,match",
+    [
+        (11, [], "high_water=11"),
+        (-1, [], "high_water=-1"),
+        (True, [], "high_water=True"),
+        (3, [0, 3], r"\[0, high_water=3\)"),
+        (3, [1, 1], "distinct"),
+        (2, [0, 1, 0], "3 ids released but only 2"),
+        (4, torch.tensor([1.0]), "1-d int64"),
+        (4, torch.tensor(1), "1-d int64"),
+    ],
+)
+def test_bad_state_is_rejected_and_changes_nothing(high_water, free, match):
+    fl = FreeList(10)
+    fl.allocate(5)
+    fl.release(ids([2]))
+    before = fl.state()
+    free = free if isinstance(free, torch.Tensor) else ids(free)
+    with pytest.raises(ValueError, match=match):
+        fl.load_state(high_water, free)
+    after = fl.state()
+    assert after["high_water"] == before["high_water"] and torch.equal(after["free"], before["free"])
+
+
+def test_release_under_inference_mode_keeps_a_normal_stack():
+    fl = FreeList(4096)
+    fl.allocate(3000)
+    with torch.inference_mode():
+        # More than the stack holds: it is reallocated under inference mode.
+        fl.release(torch.arange(2000))
+    assert not fl._stack.is_inference()
+    fl.release(torch.arange(2000, 3000))
+    assert fl.allocate(1).tolist() == [2999]
+
+
+def test_to_moves_released_ids():
+    fl = FreeList(8)
+    fl.allocate(4)
+    fl.release(ids([2]))
+    # The meta device stands in for another device: ids come back there.
+    fl.to("meta")
+    assert fl.device.type == "meta" and fl.state()["free"].device.type == "meta"
+    assert fl.allocate(2).device.type == "meta"

@@ -2,15 +2,15 @@
 duplicates, batch order, growth, export chunking and argument errors.
 
 W = 4 slots per bucket throughout. "Crowded" keys all share one bucket: either the index has a
-single bucket, or the keys are those whose two candidate buckets are both bucket 0 of 4. Keys
-inserted one call at a time take the bucket's slots 0, 1, 2, 3 in call order, which the tie
-rule (lower slot first) then refers to.
+single bucket, or the keys are those whose two candidate buckets are both bucket 0 of 4 (so no
+key of the bucket can move to another one). Keys inserted one call at a time take the bucket's
+slots 0, 1, 2, 3 in call order, which the tie rule (lower slot first) then refers to.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-import warnings
 
 import pytest
 import torch
@@ -27,9 +27,7 @@ from index_model import (
     layout,
 )
 
-from dynemb import InsertionError, KeyIndex
-from dynemb.table.free_list import FreeList
-from dynemb.table.index import plan_buckets, rounded_capacity
+from dynemb.table.index import KeyIndex
 
 W = 4
 STRATEGIES = ["timestamp", "step", "lfu", "customized", "no_eviction"]
@@ -40,19 +38,11 @@ def t(values) -> torch.Tensor:
 
 
 def make_index(strategy: str = "customized", *, capacity: int = W, init_capacity: int | None = None, **kwargs):
-    kwargs.setdefault("check_mode", "count")
-    return KeyIndex(
-        capacity=capacity,
-        allocator=FreeList(rounded_capacity(capacity, init_capacity, W)),
-        init_capacity=init_capacity,
-        bucket_capacity=W,
-        score_strategy=strategy,
-        **kwargs,
-    )
+    return KeyIndex(capacity=capacity, init_capacity=init_capacity, bucket_capacity=W, score_strategy=strategy, **kwargs)
 
 
-def ins(index: KeyIndex, keys: list[int], scores: list[int] | None = None):
-    return index.insert_and_evict(t(keys), None if scores is None else t(scores))
+def ins(index: KeyIndex, keys: list[int], scores: list[int] | None = None, now: int = 0):
+    return index.find_or_insert(t(keys), now=now, scores=None if scores is None else t(scores))
 
 
 def rows_of(index: KeyIndex, keys: list[int]) -> list[int]:
@@ -88,10 +78,11 @@ def crowd(request) -> tuple[int, list[int]]:
     return 4 * W, keys
 
 
-def fill_one_per_call(index: KeyIndex, keys: list[int], scores: list[int] | None = None) -> None:
-    """Insert keys one call each (so they take slots 0, 1, ... of their shared bucket)."""
+def fill_one_per_call(index: KeyIndex, keys: list[int], scores: list[int] | None = None, now: int = 0) -> None:
+    """Insert keys one call each (so they take slots 0, 1, ... of their shared bucket); the
+    clock ticks once per call from ``now``."""
     for i, k in enumerate(keys):
-        r = ins(index, [k], None if scores is None else [scores[i]])
+        r = ins(index, [k], None if scores is None else [scores[i]], now=now + i)
         assert r.ok.all() and r.evicted_keys.numel() == 0
     where = layout(index)
     b = where[keys[0]][0]
@@ -104,24 +95,25 @@ def fill_one_per_call(index: KeyIndex, keys: list[int], scores: list[int] | None
 def test_timestamp_evicts_least_recently_used(crowd):
     capacity, (k0, k1, k2, k3, n1, n2, n3, *_) = crowd
     index = make_index("timestamp", capacity=capacity)
-    fill_one_per_call(index, [k2, k0, k3, k1])
-    stamps = scores_of(index, [k2, k0, k3, k1])
-    assert stamps == sorted(set(stamps)), "timestamps must strictly increase from call to call"
-    ins(index, [k0])
+    # The caller's clock, here in nanoseconds: a key's score is the ``now`` of its last use.
+    clock = 1_700_000_000_000_000_000
+    fill_one_per_call(index, [k2, k0, k3, k1], now=clock)
+    assert scores_of(index, [k2, k0, k3, k1]) == [clock, clock + 1, clock + 2, clock + 3]
+    ins(index, [k0], now=clock + 10)
     # find has no side effect: k2 stays the least recently used.
     index.find(t([k2]))
-    assert scores_of(index, [k2]) == stamps[:1]
+    assert scores_of(index, [k2, k0]) == [clock, clock + 10]
 
     before = snapshot(index)
-    r = ins(index, [n1])
+    r = ins(index, [n1], now=clock + 11)
     assert_evicted(r, [k2], before)
-    assert r.rows.tolist() == [before[k2][0]] and r.ok.all() and not r.found.any()
+    assert r.rows.tolist() == [before[k2][0]] and r.ok.all() and not r.found.any() and r.inserted.all()
     before = snapshot(index)
-    assert_evicted(ins(index, [n2]), [k3], before)
-    ins(index, [k1])
+    assert_evicted(ins(index, [n2], now=clock + 12), [k3], before)
+    ins(index, [k1], now=clock + 13)
     # Use order now: k0, n1, n2, k1.
     before = snapshot(index)
-    assert_evicted(ins(index, [n3]), [k0], before)
+    assert_evicted(ins(index, [n3], now=clock + 14), [k0], before)
     assert held(index) == {n1, n2, k1, n3}
 
 
@@ -129,33 +121,28 @@ def test_step_evicts_oldest_step_lower_slot_first(crowd):
     capacity, (k0, k1, k2, k3, *new) = crowd
     n1, n2, n3, n4 = sorted(new[:4])
     index = make_index("step", capacity=capacity)
-    index.step = 1
     # Slots 0..3; k3 (slot 1) and k0 (slot 3) will tie, and the lower slot holds the larger key.
-    fill_one_per_call(index, [k1, k3, k2, k0])
-    index.step = 2
-    ins(index, [k1, k2])
-    index.step = 3
-    ins(index, [k1])
+    for k in [k1, k3, k2, k0]:
+        ins(index, [k], now=1)
+    ins(index, [k1, k2], now=2)
+    ins(index, [k1], now=3)
     assert scores_of(index, [k1, k3, k2, k0]) == [3, 1, 2, 1]
 
-    index.step = 4
     before = snapshot(index)
-    r = ins(index, [n1])
+    r = ins(index, [n1], now=4)
     assert_evicted(r, [k3], before)
     assert rows_of(index, [n1]) == [before[k3][0]] and scores_of(index, [n1]) == [4]
-    index.step = 5
     before = snapshot(index)
-    assert_evicted(ins(index, [n2]), [k0], before)
+    assert_evicted(ins(index, [n2], now=5), [k0], before)
     # Two new keys, two victims: the smaller key takes the lowest-scored one.
-    index.step = 6
     before = snapshot(index)
-    r = ins(index, [n4, n3])
+    r = ins(index, [n4, n3], now=6)
     assert sorted(r.evicted_keys.tolist()) == sorted([k1, k2])
     assert rows_of(index, [n3, n4]) == [before[k2][0], before[k1][0]]
     assert held(index) == {n1, n2, n3, n4}
 
 
-def test_lfu_evicts_least_frequent_and_new_key_cannot_displace_more_frequent(crowd):
+def test_lfu_evicts_least_frequent_even_for_a_rarer_new_key(crowd):
     capacity, (k0, k1, k2, k3, n1, n2, n3, n4, *_) = crowd
     index = make_index("lfu", capacity=capacity)
     for k, count in [(k1, 3), (k3, 1), (k2, 2), (k0, 1)]:
@@ -173,18 +160,30 @@ def test_lfu_evicts_least_frequent_and_new_key_cannot_displace_more_frequent(cro
     ins(index, [n2, n2, k0, k0])
     assert scores_of(index, [k1, n2, k2, k0]) == [3, 3, 2, 3]
 
-    # Every held key is more frequent than n3 (count 1): n3 fails.
+    # Every held key is more frequent than n3 (count 1): an LFU cache still admits n3, in place
+    # of the least frequent key (k2, count 2).
     stats = index.stats()
-    r = ins(index, [n3])
-    assert r.failed_keys.tolist() == [n3] and index.last_failed_keys.tolist() == [n3]
-    assert r.ok.tolist() == [False] and r.found.tolist() == [False] and r.rows.tolist() == [-1]
-    assert r.evicted_keys.numel() == 0
-    assert index.find(t([n3]))[1].tolist() == [False]
-    assert index.stats()["failed_inserts"] == stats["failed_inserts"] + 1
-    # n4 seen twice in its batch matches k2's count and replaces it.
     before = snapshot(index)
-    assert_evicted(ins(index, [n4, n4]), [k2], before)
+    r = ins(index, [n3])
+    assert_evicted(r, [k2], before)
+    assert r.failed_keys.numel() == 0 and r.ok.tolist() == [True] and r.inserted.tolist() == [True]
+    assert r.rows.tolist() == [before[k2][0]] and scores_of(index, [n3]) == [1]
+    assert index.stats()["evictions"] == stats["evictions"] + 1 and index.stats()["failed_inserts"] == 0
+    # Ties among the least frequent: the lower slot (n3 sits in k2's slot 2, k0 in slot 3).
+    ins(index, [k0], scores=[1])
+    before = snapshot(index)
+    assert_evicted(ins(index, [n4, n4]), [n3], before)
     assert scores_of(index, [n4]) == [2]
+
+
+def test_lfu_fails_only_when_every_candidate_is_used_by_the_batch(crowd):
+    capacity, (k0, k1, k2, k3, n1, *_) = crowd
+    index = make_index("lfu", capacity=capacity)
+    ins(index, [k0, k1, k2, k3] * 5)
+    r = ins(index, [k0, k1, k2, k3, n1])
+    assert r.failed_keys.tolist() == [n1] and r.evicted_keys.numel() == 0
+    r = ins(index, [k0, k1, k2, n1])
+    assert r.failed_keys.numel() == 0 and r.evicted_keys.tolist() == [k3]
 
 
 def test_customized_evicts_lowest_given_score(crowd):
@@ -209,7 +208,8 @@ def test_customized_evicts_lowest_given_score(crowd):
 def test_customized_without_scores_is_an_error():
     index = make_index("customized", capacity=16)
     with pytest.raises(ValueError, match="scores"):
-        index.insert(t([1, 2]))
+        index.find_or_insert(t([1, 2]), now=1)
+    assert index.size() == 0
 
 
 def test_ties_evict_lower_slot_not_smaller_key(crowd):
@@ -222,35 +222,22 @@ def test_ties_evict_lower_slot_not_smaller_key(crowd):
     before = snapshot(index)
     assert_evicted(ins(index, [n2], [7]), [n1], before)
     # A free slot is taken before anything is evicted.
-    assert index.erase(t([k3])).tolist() == [True]
+    assert index.erase(t([k3])).found.tolist() == [True]
     r = ins(index, [n3], [7])
     assert r.evicted_keys.numel() == 0 and layout(index)[n3][1] == 2
     before = snapshot(index)
     assert_evicted(ins(index, [n4], [7]), [n2], before)
 
 
-@pytest.mark.parametrize("check_mode", ["raise", "warn", "count"])
-def test_no_eviction_fails_full_bucket_per_check_mode(crowd, check_mode):
+def test_no_eviction_returns_failed_keys_of_a_full_bucket(crowd):
     capacity, (k0, k1, k2, k3, k4, *_) = crowd
-    index = make_index("no_eviction", capacity=capacity, check_mode=check_mode)
+    index = make_index("no_eviction", capacity=capacity)
     ins(index, [k0, k1, k2, k3])
     before = snapshot(index)
-    index.step = 1
-    if check_mode == "raise":
-        with pytest.raises(InsertionError, match="1 of 2 keys") as info:
-            ins(index, [k4, k0])
-        assert torch.equal(info.value.failed_keys, t([k4]))
-    elif check_mode == "warn":
-        with pytest.warns(RuntimeWarning, match="1 of 2 keys"):
-            r = ins(index, [k4, k0])
-        assert torch.equal(r.failed_keys, t([k4]))
-    else:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            r = ins(index, [k4, k0])
-        assert torch.equal(r.failed_keys, t([k4]))
-        assert r.ok.tolist() == [False, True] and r.evicted_keys.numel() == 0
-    assert torch.equal(index.last_failed_keys, t([k4]))
+    r = ins(index, [k4, k0], now=1)
+    assert torch.equal(r.failed_keys, t([k4]))
+    assert r.ok.tolist() == [False, True] and r.evicted_keys.numel() == 0
+    assert r.rows.tolist() == [-1, before[k0][0]] and r.positions[0].item() == -1
     assert index.stats()["failed_inserts"] == 1 and index.stats()["evictions"] == 0
     after = snapshot(index)
     assert after.keys() == before.keys()
@@ -259,18 +246,16 @@ def test_no_eviction_fails_full_bucket_per_check_mode(crowd, check_mode):
     assert after[k0][1] == 1
 
 
-def test_no_eviction_raises_by_default_once_full():
-    allocator = FreeList(rounded_capacity(16, 4, W))
-    index = KeyIndex(capacity=16, init_capacity=4, allocator=allocator, bucket_capacity=W, score_strategy="no_eviction")
-    assert index.check_mode == "raise"
+def test_no_eviction_grows_then_fails_once_full():
+    index = KeyIndex(capacity=16, init_capacity=4, bucket_capacity=W, score_strategy="no_eviction")
     rows = {}
     for key in range(1000):
         before = snapshot(index)
-        try:
-            rows[key] = index.find_or_insert(t([key]))[0].item()
-        except InsertionError as error:
-            assert torch.equal(error.failed_keys, t([key]))
+        r = index.find_or_insert(t([key]), now=key)
+        if r.failed_keys.numel():
+            assert torch.equal(r.failed_keys, t([key])) and r.rows.tolist() == [-1]
             break
+        rows[key] = r.rows.item()
     else:
         pytest.fail("1000 keys fit in an index of capacity 16")
     assert index.current_capacity() == index.capacity()
@@ -334,10 +319,19 @@ def test_given_scores_rank_new_keys_under_every_strategy(strategy):
     (ScoreStrategy docstring); scores= assigns scores under every strategy."""
     index = make_index(strategy, capacity=W)
     ins(index, [100, 200, 300], [1000] * 3)
+    before = snapshot(index)
     r = ins(index, [1, 2, 3], [5, 9, 9])
-    # One free slot; nothing can be evicted (held scores are higher): 2 (score 9, smaller than 3) wins.
-    assert r.ok.tolist() == [False, True, False]
-    assert set(r.failed_keys.tolist()) == {1, 3}
+    # One free slot: 2 (score 9, smaller than 3) wins it.
+    assert r.inserted[1] and scores_of(index, [2]) == [9]
+    if strategy == "lfu":
+        # An LFU cache admits every new key, in place of the least frequent (ties: lower slot).
+        assert r.ok.all()
+        assert_evicted(r, [100, 200], before)
+        assert rows_of(index, [3, 1]) == [before[100][0], before[200][0]]
+    else:
+        # Nothing can be evicted: held scores are higher.
+        assert r.ok.tolist() == [False, True, False]
+        assert set(r.failed_keys.tolist()) == {1, 3}
 
 
 def _priority_violations(index: KeyIndex, keys: list[int], batch: dict[int, int], failed: set[int], new: set[int]):
@@ -353,15 +347,12 @@ def _priority_violations(index: KeyIndex, keys: list[int], batch: dict[int, int]
 
 
 def test_failed_key_does_not_lose_its_bucket_to_lower_priority_key_regression():
-    # Found by the property test below: all five keys have score 0 (no_eviction, step 0), so the
+    # Found by the property test below: all five keys have score 0 (no_eviction, now 0), so the
     # smaller key has priority. Candidates (B = 4): 13 (3, 3), 15 (0, 2), 18 (3, 3), 23 (0, 3),
     # 24 (3, 0). Placed one at a time in priority order, 24 is the key left without a slot.
-    allocator = FreeList(8)
-    index = KeyIndex(
-        capacity=8, allocator=allocator, bucket_capacity=2, score_strategy="no_eviction", check_mode="count"
-    )
+    index = KeyIndex(capacity=8, bucket_capacity=2, score_strategy="no_eviction")
     keys = [13, 15, 18, 23, 24]
-    r = index.insert_and_evict(t(keys))
+    r = index.find_or_insert(t(keys), now=0)
     failed = set(r.failed_keys.tolist())
     assert _priority_violations(index, keys, {k: 0 for k in keys}, failed, set(keys)) == []
 
@@ -376,7 +367,7 @@ def test_failed_key_does_not_lose_its_bucket_to_lower_priority_key(strategy, pre
     """A new key fails only if no lower-priority new key of its batch (lower score, then larger
     key) took a slot in one of its candidate buckets: placed one at a time in priority order, the
     failed key would have had that slot, or the victim the other key evicted."""
-    index = KeyIndex(capacity=8, allocator=FreeList(8), bucket_capacity=2, score_strategy=strategy, check_mode="count")
+    index = KeyIndex(capacity=8, bucket_capacity=2, score_strategy=strategy)
     customized = strategy == "customized"
     if prefill:
         ins(index, prefill, [1] * len(prefill) if customized else None)
@@ -388,8 +379,7 @@ def test_failed_key_does_not_lose_its_bucket_to_lower_priority_key(strategy, pre
         for k, s in batch:
             scores[k] = max(scores.get(k, s), s)
     else:
-        index.step = 1
-        r = ins(index, keys)
+        r = ins(index, keys, now=1)
         scores = {k: 1 for k in keys}
     failed = set(r.failed_keys.tolist())
     assert _priority_violations(index, keys, scores, failed, set(keys) - before) == []
@@ -404,19 +394,22 @@ def test_special_keys_insert_find_erase():
     # The key table starts zeroed: key 0 must not be found in an empty index.
     rows, found = index.find(special)
     assert not found.any() and rows.tolist() == [-1] * 4
-    assert index.erase(special).tolist() == [False] * 4
-    r = index.insert_and_evict(torch.cat([special, special.flip(0)]))
+    assert index.erase(special).found.tolist() == [False] * 4
+    r = ins(index, SPECIAL_KEYS + SPECIAL_KEYS[::-1])
     assert r.ok.all() and not r.found.any()
     rows = r.rows[:4]
     assert rows.unique().numel() == 4 and torch.equal(r.rows[4:], rows.flip(0))
     assert torch.equal(index.find(special)[0], rows)
     assert torch.equal(export_sorted(index)[0], special.sort().values)
-    assert index.erase(t([0, INT64_MAX, 0])).tolist() == [True, True, True]
+    erased = index.erase(t([0, INT64_MAX, 0]))
+    assert erased.found.tolist() == [True, True, True]
+    assert erased.evicted_keys.tolist() == [0, INT64_MAX]
+    assert erased.evicted_rows.tolist() == [rows[0].item(), rows[3].item()]
     assert index.find(special)[1].tolist() == [False, True, True, False]
     assert index.find(t([-1, INT64_MIN]))[0].tolist() == rows[1:3].tolist()
-    assert index.erase(t([0, INT64_MAX])).tolist() == [False, False]
-    assert index.size() == 2 and index.allocator.num_used() == 2
-    r = index.insert_and_evict(t([0]))
+    assert index.erase(t([0, INT64_MAX])).found.tolist() == [False, False]
+    assert index.size() == 2 and index.free_list.num_used() == 2
+    r = ins(index, [0])
     assert r.ok.tolist() == [True] and r.found.tolist() == [False]
     assert r.rows.item() not in rows[1:3].tolist()
     # int32 keys are the same keys.
@@ -449,7 +442,8 @@ def test_duplicates_in_a_batch():
     # Given scores: a key given several times gets the largest.
     ins(index, [5, 5, 5, 7], [3, 9, -2, 0])
     assert scores_of(index, [5, 7]) == [9, 0]
-    assert index.erase(t([5, 5, 11])).tolist() == [True, True, False]
+    erased = index.erase(t([5, 5, 11]))
+    assert erased.found.tolist() == [True, True, False] and erased.evicted_keys.tolist() == [5]
     assert index.size() == 2
 
 
@@ -458,9 +452,8 @@ def _run_batches(strategy: str, batches: list[list[int]], permutations: list[lis
     outcomes = []
     for i, batch in enumerate(batches):
         keys = batch if permutations is None else [batch[j] for j in permutations[i]]
-        index.step = i
         scores = [k % 7 for k in keys] if strategy == "customized" else None
-        r = ins(index, keys, scores)
+        r = ins(index, keys, scores, now=i)
         per_key = {k: (row, f, ok) for k, row, f, ok in zip(keys, r.rows.tolist(), r.found.tolist(), r.ok.tolist())}
         evicted = sorted(zip(r.evicted_keys.tolist(), r.evicted_rows.tolist()))
         outcomes.append((per_key, sorted(r.failed_keys.tolist()), evicted))
@@ -493,15 +486,15 @@ def test_growth_keeps_every_key_row_and_score():
     gen = torch.Generator().manual_seed(0)
     keys = torch.randint(INT64_MIN, INT64_MAX, (640,), generator=gen, dtype=torch.int64)
     keys = torch.cat([t(SPECIAL_KEYS), keys]).unique()
-    index = make_index("step", capacity=1 << 12, init_capacity=16, check_mode="raise")
+    index = make_index("step", capacity=1 << 12, init_capacity=16)
     assert index.current_capacity() == 16
     inserted = torch.empty(0, dtype=torch.int64)
     expected_rows = torch.empty(0, dtype=torch.int64)
     capacities = [index.current_capacity()]
     for i, batch in enumerate(keys.split(64)):
-        index.step = i
-        rows, found, ok = index.find_or_insert(batch)
-        assert ok.all() and not found.any()
+        r = index.find_or_insert(batch, now=i)
+        rows = r.rows
+        assert r.ok.all() and not r.found.any() and r.evicted_keys.numel() == 0
         inserted, expected_rows = torch.cat([inserted, batch]), torch.cat([expected_rows, rows])
         got_rows, got_found = index.find(inserted)
         assert got_found.all() and torch.equal(got_rows, expected_rows)
@@ -516,30 +509,13 @@ def test_growth_keeps_every_key_row_and_score():
 
 
 def test_growth_within_one_batch():
-    index = make_index("customized", capacity=1 << 10, init_capacity=W, check_mode="raise")
+    index = make_index("customized", capacity=1 << 10, init_capacity=W)
     keys = torch.arange(-300, 300, 2)
-    r = index.insert_and_evict(keys, keys)
+    r = index.find_or_insert(keys, scores=keys)
     assert r.ok.all() and r.rows.unique().numel() == keys.numel()
     assert index.stats()["growths"] >= 6
     assert torch.equal(index.find(keys)[0], r.rows)
     assert torch.equal(index.scores(keys)[0], keys)
-
-
-@pytest.mark.parametrize(
-    "capacity,init_capacity,bucket_capacity",
-    [(16, None, 4), (10, 3, 4), (1000, 7, 16), (5, 5, 8), (1 << 20, 1 << 16, 16)],
-)
-def test_capacity_rounding(capacity, init_capacity, bucket_capacity):
-    init_b, max_b = plan_buckets(capacity, init_capacity, bucket_capacity)
-    allocator = FreeList(max_b * bucket_capacity)
-    index = KeyIndex(
-        capacity=capacity, init_capacity=init_capacity, bucket_capacity=bucket_capacity, allocator=allocator
-    )
-    doublings = (max_b // init_b).bit_length() - 1
-    assert max_b == init_b << doublings
-    assert index.capacity() == max_b * bucket_capacity == rounded_capacity(capacity, init_capacity, bucket_capacity)
-    assert capacity <= index.capacity() < capacity + (bucket_capacity << doublings)
-    assert index.current_capacity() == init_b * bucket_capacity >= (init_capacity or capacity)
 
 
 # Export.
@@ -595,20 +571,23 @@ def test_export_rejects_bad_chunk_size(chunk_size):
         ({"max_load_factor": 0}, "max_load_factor=0"),
         ({"max_load_factor": 1.5}, "max_load_factor=1.5"),
         ({"max_load_factor": math.nan}, "max_load_factor=nan"),
+        ({"init_capacity": True}, "init_capacity=True"),
         ({"score_strategy": "fifo"}, "score_strategy='fifo'"),
-        ({"check_mode": "ignore"}, "check_mode='ignore'"),
+        ({"device": "nonsense"}, "device='nonsense'"),
     ],
 )
 def test_bad_constructor_arguments(kwargs, match):
-    args = {"capacity": 16, "allocator": FreeList(64), "bucket_capacity": W, **kwargs}
+    args = {"capacity": 16, "bucket_capacity": W, **kwargs}
     with pytest.raises(ValueError, match=match):
         KeyIndex(**args)
 
 
-@pytest.mark.parametrize("method", ["find", "scores", "insert", "find_or_insert", "insert_and_evict", "erase"])
+@pytest.mark.parametrize("method", ["find", "scores", "find_or_insert", "erase"])
 def test_bad_keys(method):
     index = make_index("step", capacity=16)
     call = getattr(index, method)
+    if method == "find_or_insert":
+        call = functools.partial(call, now=0)
     with pytest.raises(TypeError, match=r"keys\.dtype=torch\.float32"):
         call(torch.tensor([1.0, 2.0]))
     with pytest.raises(TypeError, match=r"keys\.dtype=torch\.bool"):
@@ -624,7 +603,18 @@ def test_bad_keys(method):
 def test_bad_scores():
     index = make_index("customized", capacity=16)
     with pytest.raises(TypeError, match=r"scores\.dtype=torch\.float64"):
-        index.insert(t([1, 2]), torch.tensor([1.0, 2.0], dtype=torch.float64))
+        index.find_or_insert(t([1, 2]), scores=torch.tensor([1.0, 2.0], dtype=torch.float64))
     with pytest.raises(ValueError, match="scores has 2 values for 3 keys"):
-        index.insert(t([1, 2, 3]), t([1, 2]))
+        index.find_or_insert(t([1, 2, 3]), scores=t([1, 2]))
+    assert index.size() == 0
+
+
+def test_bad_upsert_unique_arguments():
+    index = make_index("lfu", capacity=16)
+    with pytest.raises(ValueError, match="counts has 1 values for 2 keys"):
+        index.upsert_unique(t([1, 2]), t([1]))
+    with pytest.raises(ValueError, match="given has 3 values for 2 keys"):
+        index.upsert_unique(t([1, 2]), t([1, 1]), given=t([1, 2, 3]))
+    with pytest.raises(TypeError, match=r"counts\.dtype=torch\.float32"):
+        index.upsert_unique(t([1, 2]), torch.ones(2))
     assert index.size() == 0

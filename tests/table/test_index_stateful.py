@@ -1,19 +1,19 @@
-"""Random find / insert / erase / export sequences on KeyIndex against a dict model.
+"""Random find / insert / erase / export / state_dict sequences on KeyIndex against a dict model.
 
 The model (key -> row id, score) predicts exactly what does not depend on where keys sit: found
 flags, row ids of held keys, every score, and the conservation law of HierarchicalKV (keys before +
-new keys = keys after + evicted + failed). Which new keys fail or evict depends on bucket
-placement, so the machine checks that each such outcome is justified by the documented rules
-(ScoreStrategy's docstring), reading the placement after the call (priority between the new keys
-of one batch is checked in test_index_adversarial.py):
+new keys = keys after + evicted + failed; an erase counts its keys as leaving). Which new keys
+fail or evict depends on bucket placement, so the machine checks that each such outcome is
+justified by the documented rules (ScoreStrategy's docstring), reading the placement after the
+call (priority between the new keys of one batch is checked in test_index_adversarial.py):
 
-* a failed key: both candidate buckets are full of keys used in this batch or, where eviction is
-  allowed, scored higher than the failed key;
+* a failed key: both candidate buckets are full, of keys used in this batch or, where eviction
+  is allowed, scored higher than the failed key (lfu: of keys used in this batch only);
 * an evicted key: was held, was not used in this batch, scored no higher than the key that took
-  its slot (and its row id), and no unused key left in that key's buckets scored lower (on a tie,
-  the victim came first: bucket 1 before bucket 2, then the lower slot);
+  its slot (and its row id; lfu: any score), and no unused key left in that key's buckets scored
+  lower (on a tie, the victim came first: bucket 1 before bucket 2, then the lower slot);
 * eviction and failure happen only at full capacity; below it, size <= max_load_factor * slots;
-* held keys never move, except that growth moves each from bucket b to a child of b.
+* every held key sits in one of its candidate buckets; a call without new keys moves none.
 
 Small buckets (W=4) and a small key pool holding 0, -1 and the int64 extremes fill buckets fast.
 """
@@ -28,9 +28,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from index_model import INT64_MAX, INT64_MIN, DictModel, candidates, export_all, layout
 
-from dynemb import KeyIndex
-from dynemb.table.free_list import FreeList
-from dynemb.table.index import plan_buckets
+from dynemb.table.index import KeyIndex, plan_buckets
 
 POOL = [
     0, -1, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89, -2, -3, -144, 1 << 32, -(1 << 32), 1 << 40,
@@ -78,27 +76,20 @@ class IndexMachine(RuleBasedStateMachine):
         super().__init__()
         W = self.bucket_capacity
         self.init_buckets, max_buckets = plan_buckets(self.capacity, self.init_capacity, W)
-        self.allocator = FreeList(max_buckets * W)
         self.index = KeyIndex(
             capacity=self.capacity,
-            allocator=self.allocator,
             init_capacity=self.init_capacity,
             bucket_capacity=W,
             max_load_factor=self.max_load_factor,
             score_strategy=self.strategy,
-            check_mode="count",
         )
         assert self.index.capacity() == max_buckets * W >= self.capacity
         assert self.index.current_capacity() == self.init_buckets * W
         self.model = DictModel(self.strategy)
-        # timestamp: the model's logical clock -> the index's ns timestamps.
-        self.ts_actual: dict[int, int] = {}
+        self.erased = 0
 
     def key_set(self) -> set[int]:
         return set(export_all(self.index)[0].tolist())
-
-    def actual_score(self, model_score: int) -> int:
-        return self.ts_actual[model_score] if self.strategy == "timestamp" else model_score
 
     @rule(keys=BATCH)
     def find(self, keys):
@@ -107,7 +98,25 @@ class IndexMachine(RuleBasedStateMachine):
         assert torch.equal(found.view(-1), tb([k in self.model.row for k in keys]))
         assert torch.equal(rows.view(-1), t([self.model.row.get(k, -1) for k in keys]))
 
-    @rule(keys=BATCH, data=st.data(), entry=st.sampled_from(["insert_and_evict", "find_or_insert", "insert"]))
+    def _call(self, entry: str, keys: list[int], scores: list[int] | None):
+        """The insert through ``entry``; returns (per-key rows, found, inserted, positions, result)."""
+        given = None if scores is None else t(scores)
+        # lfu and customized do not read the clock: passing it or not makes no difference.
+        now = self.model.now if self.strategy not in ("lfu", "customized") or len(keys) % 2 else None
+        if entry == "find_or_insert":
+            r = self.index.find_or_insert(t(keys), now=now, scores=given)
+            return r.rows, r.found, r.inserted, r.positions, r
+        unique = sorted(set(keys))
+        counts = t([keys.count(k) for k in unique])
+        if scores is not None:
+            batch = self.model.batch_scores(keys, scores)
+            given = t([batch[k] for k in unique])
+        r = self.index.upsert_unique(t(unique), counts, now=now, given=given)
+        at = {k: i for i, k in enumerate(unique)}
+        idx = t([at[k] for k in keys])
+        return r.rows[idx], r.found[idx], r.inserted[idx], r.positions[idx], r
+
+    @rule(keys=BATCH, data=st.data(), entry=st.sampled_from(["find_or_insert", "upsert_unique"]))
     def insert(self, keys, data, entry):
         model, W = self.model, self.bucket_capacity
         scores = None
@@ -120,44 +129,39 @@ class IndexMachine(RuleBasedStateMachine):
         capacity_before = self.index.current_capacity()
         where_before = layout(self.index)
 
-        given = None if scores is None else t(scores)
-        result = None
-        if entry == "insert_and_evict":
-            result = self.index.insert_and_evict(t(keys), given)
-            rows, found, ok = result.rows, result.found, result.ok
-            assert torch.equal(result.inserted, ok & ~found)
-        elif entry == "find_or_insert":
-            rows, found, ok = self.index.find_or_insert(t(keys), given)
-        else:
-            ok = self.index.insert(t(keys), given)
-            rows, found = self.index.find(t(keys))
-            assert torch.equal(ok, found)
-            found = tb([k in before for k in keys])
+        rows, found, inserted, positions, result = self._call(entry, keys, scores)
+        ok = rows >= 0
+        assert torch.equal(result.ok, result.rows >= 0)
+        assert torch.equal(inserted, ok & ~found)
         after = self.key_set()
-        failed_list = self.index.last_failed_keys.tolist()
+        failed_list = result.failed_keys.tolist()
         failed = set(failed_list)
-        evicted_list = result.evicted_keys.tolist() if result is not None else sorted(before - after)
+        evicted_list = result.evicted_keys.tolist()
         evicted = set(evicted_list)
         new = set(keys) - before
+        placed = new - failed
 
         # HKV's conservation law, from the index's own outputs.
         assert len(failed) == len(failed_list) and len(evicted) == len(evicted_list)
         assert before | new == after | evicted | failed
         assert len(before) + len(new) == len(after) + len(evicted) + len(failed)
+        assert len(before) + len({k for k, i in zip(keys, inserted.tolist()) if i}) == len(after) + len(evicted)
         assert evicted <= before and not evicted & after and not evicted & set(keys)
         assert failed <= new and not failed & after
-        if result is not None:
-            assert torch.equal(result.failed_keys, self.index.last_failed_keys)
         if evicted or failed:
             assert self.index.current_capacity() == self.index.capacity()
         if self.strategy == "no_eviction":
             assert not evicted
         if not new:
             assert self.index.current_capacity() == capacity_before
+            assert {k: b for k, b in layout(self.index).items()} == where_before, "a call without new keys moved keys"
 
-        # Per key: found, ok and row ids.
+        # Per key: found, ok, row ids and positions.
         assert torch.equal(found, tb([k in before for k in keys]))
         assert torch.equal(ok, tb([k not in failed for k in keys]))
+        where = layout(self.index)
+        for k, p in zip(keys, positions.tolist()):
+            assert p == (-1 if k in failed else where[k][0] * W + where[k][1])
         got_row = {}
         for k, r in zip(keys, rows.tolist()):
             assert got_row.setdefault(k, r) == r, f"duplicates of key {k} got rows {got_row[k]} and {r}"
@@ -165,11 +169,9 @@ class IndexMachine(RuleBasedStateMachine):
             assert got_row[k] == old_row[k]
         for k in failed:
             assert got_row[k] == -1
-        placed = new - failed
         victim_of_row = {old_row[v]: v for v in evicted}
-        if result is not None:
-            assert torch.equal(result.evicted_rows, t([old_row[v] for v in evicted_list]))
-            assert torch.equal(result.evicted_scores, t([self.actual_score(old_score[v]) for v in evicted_list]))
+        assert torch.equal(result.evicted_rows, t([old_row[v] for v in evicted_list]))
+        assert torch.equal(result.evicted_scores, t([old_score[v] for v in evicted_list]))
         fresh = {k for k in placed if got_row[k] not in victim_of_row}
         assert len({got_row[k] for k in placed}) == len(placed)
         assert {got_row[k] for k in placed - fresh} == set(victim_of_row)
@@ -186,16 +188,6 @@ class IndexMachine(RuleBasedStateMachine):
         model.stats["evictions"] += len(evicted)
         model.stats["failed_inserts"] += len(failed)
 
-        # Held keys stay in their slot, except that growth (doubling B, g times) moves a key from
-        # bucket b to a bucket of b's children, (b << g) .. (b << g) + 2**g - 1.
-        where = layout(self.index)
-        doublings = (self.index.current_capacity() // capacity_before).bit_length() - 1
-        for k in before - evicted:
-            if doublings:
-                assert where[k][0] >> doublings == where_before[k][0], (k, where_before[k], where[k])
-            else:
-                assert where[k] == where_before[k], (k, where_before[k], where[k])
-
         # Each failure and eviction is justified by the rules.
         B = self.index.num_buckets
         occupants: dict[int, list[int]] = {}
@@ -203,17 +195,18 @@ class IndexMachine(RuleBasedStateMachine):
             occupants.setdefault(b, []).append(k)
         used = set(keys)
         evicting = self.strategy != "no_eviction"
+        lfu = self.strategy == "lfu"
         for k in failed:
             for b in set(candidates(k, B)):
                 assert len(occupants.get(b, [])) == W, f"failed key {k}: its bucket {b} has a free slot"
                 for o in occupants[b] if evicting else ():
-                    assert o in used or model.score[o] > batch[k], (
+                    assert o in used or (not lfu and model.score[o] > batch[k]), (
                         f"failed key {k} (score {batch[k]}) could have evicted {o} (score {model.score[o]})"
                     )
         for k in placed - fresh:
             v = victim_of_row[got_row[k]]
             b, s = where[k]
-            assert b in candidates(v, B) and old_score[v] <= batch[k]
+            assert b in candidates(v, B) and (lfu or old_score[v] <= batch[k])
             first = candidates(k, B)[0]
             for c in set(candidates(k, B)):
                 assert len(occupants[c]) == W, f"key {k} evicted {v} while its bucket {c} had a free slot"
@@ -228,10 +221,21 @@ class IndexMachine(RuleBasedStateMachine):
 
     @rule(keys=ERASE_BATCH)
     def erase(self, keys):
-        present = [k in self.model.row for k in keys]
-        assert torch.equal(self.index.erase(t(keys)), tb(present))
-        for k in set(keys) & set(self.model.row):
-            del self.model.row[k], self.model.score[k]
+        model = self.model
+        present = [k in model.row for k in keys]
+        size = self.index.size()
+        r = self.index.erase(t(keys))
+        gone = sorted(set(keys) & set(model.row))
+        assert torch.equal(r.found, tb(present))
+        assert torch.equal(r.rows, t([-1] * len(keys))) and torch.equal(r.positions, t([-1] * len(keys)))
+        assert not r.inserted.any() and r.failed_keys.numel() == 0 and not r.ok.any()
+        assert torch.equal(r.evicted_keys, t(gone))
+        assert torch.equal(r.evicted_rows, t([model.row[k] for k in gone]))
+        assert torch.equal(r.evicted_scores, t([model.score[k] for k in gone]))
+        # Conservation: the erased keys leave.
+        assert size == self.index.size() + len(gone)
+        for k in gone:
+            del model.row[k], model.score[k]
 
     @rule(chunk_size=st.integers(1, 40))
     def export(self, chunk_size):
@@ -243,9 +247,26 @@ class IndexMachine(RuleBasedStateMachine):
         assert torch.equal(scores[order], full[2][full_order])
 
     @rule(ticks=st.integers(0, 3))
-    def advance_step(self, ticks):
-        self.index.step += ticks
-        self.model.step += ticks
+    def advance_clock(self, ticks):
+        self.model.now += ticks
+
+    @rule()
+    def state_round_trip(self):
+        """A fresh index of the same arguments restores the state; it then replaces this one."""
+        state = self.index.state_dict()
+        assert all(v.dtype == torch.int64 for v in state.values())
+        twin = KeyIndex(
+            capacity=self.capacity,
+            init_capacity=self.init_capacity,
+            bucket_capacity=self.bucket_capacity,
+            max_load_factor=self.max_load_factor,
+            score_strategy=self.strategy,
+        )
+        twin.load_state_dict(state)
+        for name, value in twin.state_dict().items():
+            assert torch.equal(value, state[name]), name
+        assert layout(twin) == layout(self.index) and twin.stats() == self.index.stats()
+        self.index = twin
 
     @invariant()
     def agrees_with_model(self):
@@ -256,15 +277,9 @@ class IndexMachine(RuleBasedStateMachine):
         assert dict(zip(keys.tolist(), rows.tolist())) == model.row
         assert rows.unique().numel() == rows.numel()
         assert bool(((rows >= 0) & (rows < self.index.capacity())).all())
-        assert self.allocator.num_used() == self.index.size()
-        got_scores = dict(zip(keys.tolist(), scores.tolist()))
-        if self.strategy == "timestamp":
-            for k, s in got_scores.items():
-                assert self.ts_actual.setdefault(model.score[k], s) == s
-            clock = sorted(self.ts_actual)
-            assert all(self.ts_actual[a] < self.ts_actual[b] for a, b in zip(clock, clock[1:]))
-        else:
-            assert got_scores == model.score
+        assert self.index.free_list.num_used() == self.index.size()
+        assert bool((rows < self.index.free_list.high_water).all())
+        assert dict(zip(keys.tolist(), scores.tolist())) == model.score
 
         pool = t(POOL)
         rows, found = self.index.find(pool)
@@ -272,8 +287,7 @@ class IndexMachine(RuleBasedStateMachine):
         assert torch.equal(rows, t([model.row.get(k, -1) for k in POOL]))
         pool_scores, found = self.index.scores(pool)
         assert torch.equal(found, tb([k in model.row for k in POOL]))
-        expected = [self.actual_score(model.score[k]) if k in model.score else 0 for k in POOL]
-        assert torch.equal(pool_scores, t(expected))
+        assert torch.equal(pool_scores, t([model.score.get(k, 0) for k in POOL]))
 
         # Every key sits in one of its candidate buckets.
         where = layout(self.index)
@@ -299,7 +313,7 @@ def _case(name: str, **attrs):
 
 TestCustomized = _case("CustomizedMachine", strategy="customized")
 TestTimestamp = _case("TimestampMachine", strategy="timestamp", given_scores="never")
-TestStep = _case("StepMachine", strategy="step", given_scores="never")
+TestStep = _case("StepMachine", strategy="step", given_scores="sometimes", score_values=CUSTOM_SCORES)
 TestLfu = _case("LfuMachine", strategy="lfu", given_scores="sometimes", score_values=LFU_SCORES)
 TestNoEvictionGrowing = _case(
     "NoEvictionGrowingMachine", strategy="no_eviction", given_scores="never", capacity=16, init_capacity=4
@@ -308,3 +322,6 @@ TestCustomizedGrowing = _case(
     "CustomizedGrowingMachine", strategy="customized", capacity=16, init_capacity=4, max_load_factor=0.5
 )
 TestStepGrowing = _case("StepGrowingMachine", strategy="step", given_scores="never", capacity=16, init_capacity=4)
+TestLfuWide = _case(
+    "LfuWideMachine", strategy="lfu", given_scores="never", capacity=32, init_capacity=8, bucket_capacity=8
+)

@@ -241,9 +241,11 @@ class TableEngine:
         skipped = 0
         with writable():
             keep = rows >= 0
-            if nonfinite is not NonFiniteGrads.APPLY:
+            # The sum is finite whenever every gradient is (a sum of finite values only overflows
+            # near float max, and then the exact check below finds nothing): one reduction, no
+            # [U, D] temporary, and one host sync because the policy must know.
+            if nonfinite is not NonFiniteGrads.APPLY and not bool(torch.isfinite(grads.sum())):
                 finite = torch.isfinite(grads).all(1)
-                # One host sync per step: the policy needs to know whether any key is affected.
                 if not bool(finite.all()):
                     bad = keys[~finite & keep]
                     if nonfinite is NonFiniteGrads.RAISE:

@@ -36,6 +36,9 @@ _BYTES_PER_SLOT = 8 + 8 + 8 + 1 + 1
 # Longest chain of resident moves tried to free a slot for a new key (1: a resident of the key's
 # buckets moves to its other bucket; 2: first a resident of that other bucket moves on, ...).
 MOVE_DEPTH = 2
+# Displacement stops for the rest of a call after a pass that made room for fewer than one key
+# in GIVE_UP of those it tried.
+GIVE_UP = 8
 _COUNTERS = ("inserts", "evictions", "failed_inserts", "growths")
 _CLOCKED = (ScoreStrategy.TIMESTAMP, ScoreStrategy.STEP, ScoreStrategy.NO_EVICTION)
 
@@ -111,6 +114,19 @@ def index_bytes(num_slots: int) -> int:
     """Bytes the index tensors take for ``num_slots`` slots (the free list adds at most 8 bytes
     per released row id)."""
     return _BYTES_PER_SLOT * num_slots
+
+
+def _follow(positions: torch.Tensor, moves: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Flat slots after keys moved: each step's (from, to) slots ([m] each, distinct) applied in
+    order to positions ([n], -1 for none); returns [n]."""
+    for src, dst in moves:
+        if src.numel() == 0:
+            continue
+        by_src = torch.sort(src)
+        at = torch.searchsorted(by_src.values, positions).clamp_(max=src.numel() - 1)
+        hit = by_src.values.index_select(0, at) == positions
+        positions = torch.where(hit, dst.index_select(0, by_src.indices.index_select(0, at)), positions)
+    return positions
 
 
 class KeyIndex:
@@ -372,50 +388,61 @@ class KeyIndex:
             missing = missing.index_select(0, by_score.indices)
         new_keys = unique.index_select(0, missing)
         new_scores = batch_scores.index_select(0, missing)
-        # Growth and resident moves change slots: then positions are found again (lazily).
-        moved = False
+        grown = False
         while self._can_grow() and self._size + missing.numel() > self.max_load_factor * self.current_capacity():
             self._grow()
-            moved = True
-        new_pos = torch.full_like(missing, -1)
-        stale = False
-        pending = torch.arange(missing.numel(), device=self.device)  # [P] ranks into missing
-        # New keys for which moving residents may still free a slot; a key whose buckets got no
-        # room once is not tried again in this call (its buckets' keys cannot move).
-        hopeful = torch.ones_like(missing, dtype=torch.bool)
+            grown = True
+        if grown:
+            pos, _ = self._locate(unique)
+        new_pos = torch.full_like(missing, -1)  # [M] slot of each new key once placed
+        waiting = torch.ones_like(missing, dtype=torch.bool)  # [M] not placed yet
+        # New keys for which moving residents may still free a slot: a key none of whose
+        # buckets' keys could move is not tried again in this call.
+        hopeful = torch.ones_like(missing, dtype=torch.bool)  # [M]
+        pending = to_place = torch.arange(missing.numel(), device=self.device)  # ranks into missing
         # Each pass places at least one more key, or rules keys out of displacement, or improves
         # the priority of the placed ones (_displace), or ends. The host syncs per pass (sizes of
         # masked selections) are what lets the loop stop as soon as every key is placed.
-        while pending.numel():
-            placed, placed_pos = self._place_free(new_keys.index_select(0, pending), new_scores.index_select(0, pending))
-            new_pos.index_copy_(0, pending[placed], placed_pos[placed])
-            pending = pending[~placed]
+        while to_place.numel():
+            placed, placed_pos = self._place_free(new_keys.index_select(0, to_place), new_scores.index_select(0, to_place))
+            done = to_place[placed]
+            new_pos.index_copy_(0, done, placed_pos[placed])
+            waiting.index_fill_(0, done, False)
+            pending = waiting.nonzero().squeeze(1)
             if pending.numel() == 0:
                 break
             if self._can_grow():
                 self._grow()
-                moved = stale = True
+                # Growth moved every key: find the batch's keys again.
+                pos, _ = self._locate(unique)
+                new_pos = torch.where(waiting, -1, pos.index_select(0, missing))
+                to_place = pending
                 continue
-            tried = pending[hopeful.index_select(0, pending)]
-            if tried.numel():
-                room = self._make_room(new_keys.index_select(0, tried))
-                hopeful.index_fill_(0, tried[~room], False)
-                if bool(room.any()):
-                    moved = stale = True
-                    continue
-            if stale:
-                at, present = self._locate(new_keys)
-                new_pos = torch.where(present, at, -1)
-                stale = False
+            to_place = pending[:0]
+            while to_place.numel() == 0:
+                # No more than the free slots can be filled: trying a few times as many keys
+                # at once bounds the cost of displacement when the index is nearly full.
+                tried = pending[hopeful.index_select(0, pending)][: 4 * (self.current_capacity() - self._size)]
+                if tried.numel() == 0:
+                    break
+                room, stuck, moves = self._make_room(new_keys.index_select(0, tried))
+                hopeful.index_fill_(0, tried[stuck], False)
+                pos, new_pos = _follow(pos, moves), _follow(new_pos, moves)
+                to_place = tried[room]
+                if to_place.numel() * GIVE_UP < tried.numel():
+                    # Few keys got room: the free slots left are hard to reach. Stop trying in
+                    # this call, so that a nearly full index does not spend many passes per call.
+                    hopeful.zero_()
+            if to_place.numel():
+                continue
             # Full: keys that found no free slot take slots of lower-priority keys of the batch;
             # displaced keys go round again (their other bucket may have room).
             pending, displaced = self._displace(new_keys, new_scores, pending, new_pos)
             if not displaced:
                 break
-        if moved:
-            pos, _ = self._locate(unique)
-        else:
-            pos = pos.index_copy(0, missing, new_pos)
+            waiting.zero_().index_fill_(0, pending, True)
+            to_place = pending
+        pos = pos.index_copy(0, missing, new_pos)
 
         evicted = (torch.empty(0, dtype=torch.int64, device=self.device),) * 3
         if pending.numel() and self.strategy is not ScoreStrategy.NO_EVICTION:
@@ -442,20 +469,26 @@ class KeyIndex:
             placed (Tensor[bool]): [P]
             pos (Tensor[int64]): [P] slot taken, meaningful where placed.
         """
+        placed = torch.zeros_like(keys, dtype=torch.bool)
+        pos = torch.full_like(keys, -1)
+        if self._size == self.current_capacity():
+            return placed, pos
         b1, b2 = candidate_buckets(keys, self.num_buckets)
         # Ties between equally free candidates go by a bit of the buckets, not always to bucket 1.
         tie_second = ((b1 ^ b2) & 1).bool()
         W = self.bucket_capacity
-        placed = torch.zeros_like(keys, dtype=torch.bool)
-        pos = torch.full_like(keys, -1)
 
         def one_round(halve: bool, other: bool) -> int:
             todo = (~placed).nonzero().squeeze(1)
-            if todo.numel() == 0:
-                return 0
             t1, t2 = b1.index_select(0, todo), b2.index_select(0, todo)
             free1 = W - self._used.index_select(0, t1).sum(1)
             free2 = W - self._used.index_select(0, t2).sum(1)
+            # Keys whose buckets are both full wait (for displacement or eviction).
+            room = ((free1 > 0) | (free2 > 0)).nonzero().squeeze(1)
+            if room.numel() == 0:
+                return 0
+            if room.numel() < todo.numel():
+                todo, t1, t2, free1, free2 = (x.index_select(0, room) for x in (todo, t1, t2, free1, free2))
             second = (free2 > free1) | ((free2 == free1) & tie_second.index_select(0, todo))
             bucket = torch.where(second ^ other, t2, t1)
             fits, slot_pos = self._fill(keys.index_select(0, todo), scores.index_select(0, todo), bucket, halve)
@@ -509,29 +542,47 @@ class KeyIndex:
         target = free & (free.cumsum(1) == (rank + 1)[:, None])
         return fits, bucket * self.bucket_capacity + target.view(torch.uint8).argmax(1)
 
-    def _make_room(self, keys: torch.Tensor) -> torch.Tensor:
+    def _make_room(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Free slots in the full candidate buckets of P pending keys by moving resident keys to
         their other candidate bucket (cuckoo displacement; a moved key keeps its row id and
-        score). Returns room (Tensor[bool]: [P]): one of the key's buckets has a free slot now."""
-        if self._size == self.current_capacity():
-            return torch.zeros_like(keys, dtype=torch.bool)
+        score).
+
+        Returns:
+            room (Tensor[bool]): [P] one of the key's buckets has a free slot now.
+            stuck (Tensor[bool]): [P] no key of either of its buckets could move (another try
+                in this call would fail too).
+            moves: (from, to) flat slots of the keys moved, one pair of tensors per step, in
+                the order applied (see :func:`_follow`).
+        """
+        moves: list[tuple[torch.Tensor, torch.Tensor]] = []
+        free = self.current_capacity() - self._size
+        if free == 0:
+            nothing = torch.zeros_like(keys, dtype=torch.bool)
+            return nothing, ~nothing, moves
         b1, b2 = candidate_buckets(keys, self.num_buckets)
         needy = torch.unique(torch.cat([b1, b2]))  # [Q]
         # Chains of two moves look at W times more keys; they are tried for at most as many
         # buckets as there are free slots, which bounds their cost when the index is nearly full.
-        self._move_out(needy, MOVE_DEPTH, self.current_capacity() - self._size)
-        return ~(self._used.index_select(0, b1).all(1) & self._used.index_select(0, b2).all(1))
+        stuck = self._move_out(needy, MOVE_DEPTH, free, moves)
+        used = self._used
+        room = ~(used.index_select(0, b1).all(1) & used.index_select(0, b2).all(1))
+        return room, ~room & torch.isin(b1, stuck) & torch.isin(b2, stuck), moves
 
-    def _move_out(self, buckets: torch.Tensor, depth: int, deep_limit: int) -> None:
+    def _move_out(self, buckets: torch.Tensor, depth: int, deep_limit: int, moves: list) -> torch.Tensor:
         """Free one slot in each full bucket of ``buckets`` ([Q] distinct): move one of its keys
         to that key's other candidate bucket, the one with the most free slots (ties: lower
-        slot). With ``depth`` > 1, up to ``deep_limit`` buckets none of whose keys could move
-        first get room made in those other buckets (recursively), then try again."""
+        slot). With ``depth`` > 1, up to ``deep_limit`` buckets none of whose keys can move
+        first get room made in those other buckets (recursively), then try again. Appends the
+        (from, to) slots of the moves to ``moves``.
+
+        Returns:
+            Tensor[int64]: [S] the buckets none of whose keys could move.
+        """
         W = self.bucket_capacity
         full = buckets[self._used.index_select(0, buckets).all(1)]  # [F]
         F = full.numel()
         if F == 0:
-            return
+            return full
         residents = self._keys.index_select(0, full).view(-1)  # [F * W]
         r1, r2 = candidate_buckets(residents, self.num_buckets)
         own = full.repeat_interleave(W)
@@ -540,12 +591,14 @@ class KeyIndex:
         alt = alt.view(F, W)
         best_free = free_alt.amax(1)  # [F]
         best = (free_alt == best_free[:, None]).view(torch.uint8).argmax(1)  # [F] first such slot
-        movable = (best_free > 0).nonzero().squeeze(1)  # [F'] into full
+        can_move = best_free > 0
+        movable = can_move.nonzero().squeeze(1)  # [F'] into full
         best = best.index_select(0, movable)
         src = full.index_select(0, movable) * W + best
         dst_bucket = alt.index_select(0, movable).gather(1, best[:, None]).squeeze(1)
         # Several keys may head for one bucket: the r-th (by source bucket) takes its r-th free
-        # slot, if it has that many. Sources (full buckets) and targets (not full) never overlap.
+        # slot, if it has that many (the others try again in the caller's next pass). Sources
+        # (full buckets) and targets (not full) never overlap.
         order, dst_bucket, rank = _group_by_bucket(dst_bucket)
         fits, dst = self._free_slots(dst_bucket, rank)
         src, dst = src.index_select(0, order)[fits], dst[fits]
@@ -553,15 +606,17 @@ class KeyIndex:
             flat = table.view(-1)
             flat.index_copy_(0, dst, flat.index_select(0, src))
         self._used.view(-1).index_fill_(0, dst, True).index_fill_(0, src, False)
-        if depth > 1 and deep_limit > 0:
-            stuck = torch.ones(F, dtype=torch.bool, device=self.device)
-            stuck.index_fill_(0, movable.index_select(0, order[fits]), False)
-            stuck = stuck.nonzero().squeeze(1)[:deep_limit]
-            stuck_alt = alt.index_select(0, stuck)  # [F'', W]
-            deeper = torch.unique(stuck_alt[stuck_alt != full.index_select(0, stuck)[:, None]])
+        moves.append((src, dst))
+        stuck = (~can_move).nonzero().squeeze(1)  # [S] into full
+        if depth > 1 and deep_limit > 0 and stuck.numel():
+            explore, rest = stuck[:deep_limit], stuck[deep_limit:]
+            explore_alt = alt.index_select(0, explore)  # [S', W]
+            explore = full.index_select(0, explore)
+            deeper = torch.unique(explore_alt[explore_alt != explore[:, None]])
             if deeper.numel():
-                self._move_out(deeper, depth - 1, deep_limit)
-                self._move_out(full.index_select(0, stuck), 1, 0)
+                self._move_out(deeper, depth - 1, deep_limit, moves)
+                return torch.cat([self._move_out(explore, 1, 0, moves), full.index_select(0, rest)])
+        return full.index_select(0, stuck)
 
     def _displace(self, keys: torch.Tensor, scores: torch.Tensor, pending: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Restore priority after batched placement: a pending key takes the slot of the

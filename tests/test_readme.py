@@ -1,0 +1,17 @@
+"""The README's usage example runs as written."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_example_runs(tmp_path, monkeypatch):
+    text = README.read_text()
+    block = re.search(r"## Use\s+```python\n(.*?)```", text, re.S)
+    assert block, "README.md has no python example under '## Use'"
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block.group(1), "README.md", "exec"), {})
+    assert (tmp_path / "table.pt").exists()
