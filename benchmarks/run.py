@@ -1,6 +1,6 @@
 """dynemb benchmarks: one entry point for the named workloads.
 
-    python benchmarks/run.py                     # W1 and W2, full size (~5 min on 2 CPU cores)
+    python benchmarks/run.py                     # W1, W1-evict and W2, full size (~10 min on 2 CPU cores)
     python benchmarks/run.py --quick             # smoke run (< 1 min)
     python benchmarks/run.py --workload W1 --steps 10 --repeats 3
 

@@ -31,11 +31,11 @@ import inspect
 import time
 
 import torch
-from harness import OthersLoad, paired_ratio, quiet_repeats, record, settle
-from keygen import distinct_keys
 
 import dynemb
 from dynemb.table.index import rounded_capacity
+from harness import OthersLoad, paired_ratio, quiet_repeats, record, settle
+from keygen import distinct_keys
 
 KEYS_PER_CALL = 65536
 CAPACITY = 1 << 22
@@ -188,9 +188,7 @@ def first_eviction(log) -> dict:
             checks.pop(0)
     ledger.verify()
     assert first is not None, "no eviction after filling past the capacity"
-    assert first["load_factor"] >= FIRST_EVICTION_MIN, (
-        f"first eviction at load factor {first['load_factor']:.4f} < {FIRST_EVICTION_MIN}"
-    )
+    assert first["load_factor"] >= FIRST_EVICTION_MIN, f"first eviction at load factor {first['load_factor']:.4f} < {FIRST_EVICTION_MIN}"
     stats = index.stats()
     log(
         f"W2 no key lost at loads {CHECKED_LOADS}: {offered} keys offered, {stats['evictions']} evicted, "
@@ -222,9 +220,7 @@ def _keys_per_second(op, queries: list[torch.Tensor], after=None) -> tuple[float
 class _Session:
     """The index at one load factor, its references, and the query stream of its repeats."""
 
-    def __init__(
-        self, cfg: W2Config, index: dynemb.KeyIndex, load: float, gen: torch.Generator, next_new: int, clock: Clock, log
-    ):
+    def __init__(self, cfg: W2Config, index: dynemb.KeyIndex, load: float, gen: torch.Generator, next_new: int, clock: Clock, log):
         self.cfg, self.index, self.load, self.gen, self.next_new, self.log = cfg, index, load, gen, next_new, log
         self.clock = clock
         keys, rows = _present(index)

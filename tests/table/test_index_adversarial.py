@@ -463,9 +463,7 @@ def _run_batches(strategy: str, batches: list[list[int]], permutations: list[lis
 @settings(max_examples=25, deadline=None)
 @given(
     strategy=st.sampled_from(["customized", "step", "lfu"]),
-    batches=st.lists(
-        st.lists(st.sampled_from(list(range(-20, 20)) + SPECIAL_KEYS), min_size=1, max_size=24), min_size=1, max_size=3
-    ),
+    batches=st.lists(st.lists(st.sampled_from(list(range(-20, 20)) + SPECIAL_KEYS), min_size=1, max_size=24), min_size=1, max_size=3),
     data=st.data(),
 )
 def test_results_independent_of_batch_order(strategy, batches, data):

@@ -42,7 +42,8 @@ def _expected_plan(C: int, init: int | None, W: int) -> tuple[int, int, int]:
         implied += 1
     best = None
     for k in range(implied + 1):
-        max_buckets = -(-(-(-C // W)) // (1 << k)) * (1 << k)
+        needed = (C + W - 1) // W
+        max_buckets = (needed + (1 << k) - 1) // (1 << k) * (1 << k)
         if max_buckets * W <= 2 * C:
             best = (W, max_buckets >> k, max_buckets)
     return best
@@ -149,7 +150,14 @@ def test_lfu_counts_and_saturates():
 @pytest.mark.parametrize("strategy", CLOCKED)
 @pytest.mark.parametrize(
     "now,match",
-    [(None, "now=None"), (True, "now=True"), (1.5, "now=1.5"), ("3", "now='3'"), (1 << 63, "now=9223372036854775808"), (INT64_MIN - 1, "now=-9223372036854775809")],
+    [
+        (None, "now=None"),
+        (True, "now=True"),
+        (1.5, "now=1.5"),
+        ("3", "now='3'"),
+        (1 << 63, "now=9223372036854775808"),
+        (INT64_MIN - 1, "now=-9223372036854775809"),
+    ],
 )
 def test_clocked_strategies_need_an_int64_now(strategy, now, match):
     index = KeyIndex(capacity=64, score_strategy=strategy)
@@ -279,7 +287,7 @@ def _bad_states(state: dict, index: KeyIndex):
 
 
 def test_bad_state_dicts_raise_and_leave_the_index_unchanged():
-    source, args = _churned_index(seed=1)
+    source, _ = _churned_index(seed=1)
     state = source.state_dict()
     target, _ = _churned_index(seed=2)
     before = target.state_dict()
@@ -371,7 +379,7 @@ def test_created_under_inference_mode():
 
 
 def test_to_cpu_keeps_everything():
-    index, args = _churned_index()
+    index, _ = _churned_index()
     before = index.state_dict()
     assert index.to("cpu") is index
     _same_state(index.state_dict(), before)

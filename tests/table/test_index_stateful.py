@@ -46,7 +46,7 @@ LFU_SCORES = st.integers(0, 4)
 _SHRINK = os.environ.get("DYNEMB_TEST_SHRINK") == "1"
 _PHASES = tuple(p for p in Phase if _SHRINK or p is not Phase.shrink)
 SETTINGS = settings(
-    max_examples=int(os.environ.get("DYNEMB_TEST_EXAMPLES", "40")),
+    max_examples=int(os.environ.get("DYNEMB_TEST_EXAMPLES", "30")),
     phases=_PHASES,
     stateful_step_count=30,
     deadline=None,
@@ -215,8 +215,7 @@ class IndexMachine(RuleBasedStateMachine):
                         continue
                     ob, os_ = where[o]
                     assert (model.score[o], ob != first, os_) > (old_score[v], b != first, s), (
-                        f"key {k} evicted {v} (score {old_score[v]}, slot {(b, s)}) but not {o} "
-                        f"(score {model.score[o]}, slot {(ob, os_)})"
+                        f"key {k} evicted {v} (score {old_score[v]}, slot {(b, s)}) but not {o} (score {model.score[o]}, slot {(ob, os_)})"
                     )
 
     @rule(keys=ERASE_BATCH)
@@ -315,13 +314,7 @@ TestCustomized = _case("CustomizedMachine", strategy="customized")
 TestTimestamp = _case("TimestampMachine", strategy="timestamp", given_scores="never")
 TestStep = _case("StepMachine", strategy="step", given_scores="sometimes", score_values=CUSTOM_SCORES)
 TestLfu = _case("LfuMachine", strategy="lfu", given_scores="sometimes", score_values=LFU_SCORES)
-TestNoEvictionGrowing = _case(
-    "NoEvictionGrowingMachine", strategy="no_eviction", given_scores="never", capacity=16, init_capacity=4
-)
-TestCustomizedGrowing = _case(
-    "CustomizedGrowingMachine", strategy="customized", capacity=16, init_capacity=4, max_load_factor=0.5
-)
+TestNoEvictionGrowing = _case("NoEvictionGrowingMachine", strategy="no_eviction", given_scores="never", capacity=16, init_capacity=4)
+TestCustomizedGrowing = _case("CustomizedGrowingMachine", strategy="customized", capacity=16, init_capacity=4, max_load_factor=0.5)
 TestStepGrowing = _case("StepGrowingMachine", strategy="step", given_scores="never", capacity=16, init_capacity=4)
-TestLfuWide = _case(
-    "LfuWideMachine", strategy="lfu", given_scores="never", capacity=32, init_capacity=8, bucket_capacity=8
-)
+TestLfuWide = _case("LfuWideMachine", strategy="lfu", given_scores="never", capacity=32, init_capacity=8, bucket_capacity=8)

@@ -159,9 +159,7 @@ class KeyIndex:
         for name, value in (("capacity", capacity), ("bucket_capacity", bucket_capacity)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be an int >= 1")
-        if init_capacity is not None and not (
-            isinstance(init_capacity, int) and not isinstance(init_capacity, bool) and 1 <= init_capacity <= capacity
-        ):
+        if init_capacity is not None and not (isinstance(init_capacity, int) and not isinstance(init_capacity, bool) and 1 <= init_capacity <= capacity):
             raise ValueError(f"init_capacity={init_capacity!r}: must be an int in [1, capacity={capacity}]")
         if not (isinstance(max_load_factor, (int, float)) and 0 < max_load_factor <= 1):
             raise ValueError(f"max_load_factor={max_load_factor!r}: must be in (0, 1]")
@@ -292,9 +290,7 @@ class KeyIndex:
             raise ValueError(f"now=None: score_strategy='{self.strategy}' scores keys by the clock; pass now=")
         return torch.full_like(counts, now)
 
-    def find_or_insert(
-        self, keys: torch.Tensor, *, now: int | None = None, scores: torch.Tensor | None = None
-    ) -> IndexResult:
+    def find_or_insert(self, keys: torch.Tensor, *, now: int | None = None, scores: torch.Tensor | None = None) -> IndexResult:
         """Find keys, insert the missing ones, evicting low-scored keys where the index is full.
 
         Args:
@@ -829,13 +825,7 @@ class KeyIndex:
             B, W, B_max = (_scalar(state, name) for name in ("num_buckets", "bucket_capacity", "max_buckets"))
         except ValueError:
             return False
-        return (
-            W == self.bucket_capacity
-            and B_max == self.max_buckets
-            and self.init_buckets <= B <= B_max
-            and B_max % B == 0
-            and (B_max // B).bit_count() == 1
-        )
+        return W == self.bucket_capacity and B_max == self.max_buckets and self.init_buckets <= B <= B_max and B_max % B == 0 and (B_max // B).bit_count() == 1
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Restore :meth:`state_dict` of an index of the same geometry (:meth:`same_geometry`),
@@ -889,10 +879,7 @@ class KeyIndex:
         except ValueError as error:
             raise ValueError(f"state entries 'free_high_water' / 'free': {error}") from None
         if free.numel() + K != high_water:
-            raise ValueError(
-                f"state entries 'free' / 'rows': {free.numel()} free and {K} used row ids do not make up "
-                f"free_high_water={high_water}"
-            )
+            raise ValueError(f"state entries 'free' / 'rows': {free.numel()} free and {K} used row ids do not make up free_high_water={high_water}")
         if K and free.numel() and bool(torch.isin(free, rows).any()):
             raise ValueError("state entries 'free' / 'rows': a row id is both free and in use")
 
