@@ -19,7 +19,7 @@ import enum
 
 class _StrEnum(str, enum.Enum):
     @classmethod
-    def parse(cls, value: "str | _StrEnum", field: str):
+    def parse(cls, value: str | _StrEnum, field: str):
         """Return the member for ``value`` (a member or its string), or raise naming ``field``."""
         if isinstance(value, cls):
             return value

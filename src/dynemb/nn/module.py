@@ -186,13 +186,12 @@ class DynamicTable(torch.nn.Module):
             raise InsertionError(message + " The keys are on this exception's .failed_keys.", failed)
         warnings.warn(message, RuntimeWarning, stacklevel=4)
 
-    def _resolve_train(self, keys: torch.Tensor, counts: torch.Tensor, **kw) -> Resolved:
-        """Insert (subject to admission) and return the resolution of unique keys [U]; not reported."""
-        given = kw.pop("scores", None)
-        if given is None:
-            given = self._given_scores(keys.numel())
+    def _resolve_train(self, keys: torch.Tensor, counts: torch.Tensor, *, scores=None, admit: bool = True, **kw) -> Resolved:
+        """Insert (subject to admission unless ``admit=False``) and return the resolution of
+        unique keys [U]; failures and evictions are not reported yet."""
+        given = scores if scores is not None else self._given_scores(keys.numel())
         insertable = None
-        if self.admission is not None:
+        if admit and self.admission is not None:
             _, found = self.index.find(keys)
             missing = (~found).nonzero().squeeze(1)
             insertable = torch.zeros_like(found)
@@ -355,21 +354,10 @@ class DynamicTable(torch.nn.Module):
             given = s.index_select(0, order)
         values = values.detach().to(device=self.device, dtype=self.config.dtype).index_select(0, order)
         with self._lock, writable():
-            if given is None:
-                given = self._given_scores(n)
-            r = self.engine.resolve(
-                unique,
-                train=True,
-                now=self._now(),
-                counts=counts,
-                scores=given,
-                evicted_contents=bool(self._evict_hooks),
-                init_rows=values.shape[1] != self.engine.width,
-            )
+            # A warm start bypasses admission: the caller decides which keys belong.
+            r = self._resolve_train(unique, counts, scores=given, admit=False, init_rows=values.shape[1] != self.engine.width)
             ok = r.ok.nonzero().squeeze(1)
             self.store.scatter(r.rows.index_select(0, ok), values.index_select(0, ok))
-            if self.admission is not None:
-                self.admission.forget(unique[r.inserted])
             # Keys that did fit hold the caller's values before a failure is raised.
             self._report(r.failed_keys, r.evicted_keys, r.evicted, n)
         return r.ok.index_select(0, inverse)
