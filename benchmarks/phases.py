@@ -126,9 +126,7 @@ def instrument(table: torch.nn.Module, timer: PhaseTimer) -> list[str]:
     return [f"{name} ({where})" for name, where in absent.items() if name not in timed]
 
 
-def profile_steps(
-    step: Callable[[torch.Tensor, PhaseTimer], None], batches: Iterable[torch.Tensor], timer: PhaseTimer
-) -> dict[str, list[float]]:
+def profile_steps(step: Callable[[torch.Tensor, PhaseTimer], None], batches: Iterable[torch.Tensor], timer: PhaseTimer) -> dict[str, list[float]]:
     """Run ``step(batch, timer)`` per batch; exclusive seconds of each phase path, one per step."""
     per_step: dict[str, list[float]] = defaultdict(list)
     n = 0

@@ -139,9 +139,7 @@ def parity_error(case: str, seed: int = 0) -> float:
     with torch.no_grad():
         reference.emb.weight.zero_()
     zero = dynemb.Initializer(kind="constant", value=0.0)
-    table = dynemb.DynamicEmbedding(
-        DIM, 1 << 16, optimizer=dynemb_optimizer(case), check_mode="count", initializer=zero
-    )
+    table = dynemb.DynamicEmbedding(DIM, 1 << 16, optimizer=dynemb_optimizer(case), check_mode="count", initializer=zero)
     for batch, ids in zip(batches, dense):
         (table(batch) * v).sum().backward()
         reference.step(ids)
@@ -179,10 +177,7 @@ def _one_repeat(
     runs = [("dynemb", contender.step, batches[part]), ("reference", reference.step, dense[part])]
     measured = {name: _steps_per_second(step, data) for name, step, data in (runs if attempt % 2 == 0 else runs[::-1])}
     rates = {name: rate for name, (rate, _) in measured.items()}
-    log(
-        f"{cfg.workload} {case} attempt {attempt}: dynemb {rates['dynemb']:.2f} steps/s, "
-        f"reference {rates['reference']:.2f} steps/s"
-    )
+    log(f"{cfg.workload} {case} attempt {attempt}: dynemb {rates['dynemb']:.2f} steps/s, reference {rates['reference']:.2f} steps/s")
     return rates, [share for _, share in measured.values()]
 
 
@@ -245,8 +240,7 @@ def run(cfg: W1Config, env: dict, log=print) -> list[dict]:
     K = st.num_keys
     log(
         f"{name}: {st.batches.shape[0]} batches of {IDS_PER_STEP} ids, {K} distinct keys, generated in "
-        f"{time.perf_counter() - t0:.1f} s; dynemb capacity {st.capacity}"
-        + (f", filled by the first {st.fill} batches" if st.fill else "")
+        f"{time.perf_counter() - t0:.1f} s; dynemb capacity {st.capacity}" + (f", filled by the first {st.fill} batches" if st.fill else "")
     )
     start = st.fill + cfg.warmup  # first timed batch
     profile_at = start + (cfg.repeats + cfg.max_retries) * cfg.steps
@@ -304,10 +298,7 @@ def run(cfg: W1Config, env: dict, log=print) -> list[dict]:
         }
         # Table counters over the timed steps: keys inserted (new to the table, re-inserted after
         # eviction included), evicted, and failed, per step.
-        per_step = {
-            counter: (table_stats[counter] - before[counter]) / table_steps
-            for counter in ("inserts", "evictions", "failed_inserts")
-        }
+        per_step = {counter: (table_stats[counter] - before[counter]) / table_steps for counter in ("inserts", "evictions", "failed_inserts")}
         log(
             f"{name} {case}: timed steps had {extra['unique_keys_per_step']:.0f} unique / "
             f"{extra['new_keys_per_step']:.0f} new keys per step on average; table per step: "
@@ -353,9 +344,7 @@ def run(cfg: W1Config, env: dict, log=print) -> list[dict]:
     return records
 
 
-def _profile(
-    workload: str, case: str, contender: Contender, batches: torch.Tensor, steps: int, env: dict, log
-) -> list[dict]:
+def _profile(workload: str, case: str, contender: Contender, batches: torch.Tensor, steps: int, env: dict, log) -> list[dict]:
     """Phase breakdown of dynemb steps that continue the stream, and the top ops of two more."""
     timer = PhaseTimer()
     untimed = instrument(contender.table, timer)
@@ -365,12 +354,7 @@ def _profile(
     top = top_ops(contender.step, batches[steps:])
     others = load.share()
     rows = phase_table(per_step)
-    lines = [
-        (
-            f"{workload} {case}: dynemb step phases (exclusive ms per step, median of {steps} steps; "
-            f"others used {others or 0:.0%} of the CPUs)"
-        )
-    ]
+    lines = [(f"{workload} {case}: dynemb step phases (exclusive ms per step, median of {steps} steps; others used {others or 0:.0%} of the CPUs)")]
     lines += [f"  {path:<75} {med * 1e3:8.2f} ms  {share:6.1%}" for path, med, share in rows]
     lines.append(f"  {'sum':<75} {sum(m for _, m, _ in rows) * 1e3:8.2f} ms")
     lines.append(f"  (no such method in this version, not timed apart: {', '.join(untimed) or 'none'})")
