@@ -1,0 +1,213 @@
+"""Drop-in TorchRec EmbeddingBagCollection / EmbeddingCollection backed by dynemb tables.
+
+B samples (the KJT's stride), n_f ids of feature f, D_f its dim, F features.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torchrec.modules.embedding_modules import get_embedding_names_by_table
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from torchrec.sparse.tensor_dict import maybe_td_to_kjt
+
+import dynemb
+import torchrec
+from dynemb.torchrec.configs import check_options, table_config
+
+_META = torch.device("meta")
+
+
+def _strip_dummy_weights(tables: torch.nn.ModuleDict) -> None:
+    """Turn TorchRec's per-table weights (meta, shape [num_embeddings, D]) into plain attributes.
+
+    The modules stay, so TorchRec code that reads ``embedding_bags[name].weight.shape`` or the
+    module's ``num_embeddings`` still works, but the weights are no longer parameters: they are
+    not in ``parameters()`` or ``state_dict()``, and ``.to()`` / ``.cuda()`` (which cannot copy a
+    meta tensor) skip them.
+    """
+    for module in tables.values():
+        weight = module.weight.detach()
+        del module.weight
+        module.weight = weight
+
+
+def _real_device(device: torch.device | str | None) -> torch.device | None:
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type == "meta":
+        raise ValueError("device='meta': dynemb tables need a real device ('cpu' or 'cuda'); TorchRec's dummy weights are meta already")
+    return device
+
+
+def _without_weights(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """The KJT without its weights (TorchRec's unweighted modules ignore them; dynemb's reject them)."""
+    if features.weights_or_none() is None:
+        return features
+    return KeyedJaggedTensor(
+        keys=features.keys(),
+        values=features.values(),
+        lengths=features.lengths_or_none(),
+        offsets=features.offsets_or_none(),
+        stride=features.stride(),
+    )
+
+
+def _reject_variable_batch(features: KeyedJaggedTensor, owner: str) -> None:
+    if features.variable_stride_per_key() or features.inverse_indices_or_none() is not None:
+        raise ValueError(
+            f"{owner}: variable-batch KeyedJaggedTensor (stride_per_key_per_rank / inverse_indices, TorchRec's VBE) "
+            "is not supported; pass a KeyedJaggedTensor with one stride for every feature"
+        )
+
+
+class _Features:
+    """Maps the KJT a TorchRec module receives to the one its native collection reads.
+
+    The native collection knows each lookup by TorchRec's embedding name: the feature name, or
+    ``feature@table`` when several tables share a feature. Only in that case is a new KJT built
+    (the shared feature's ids listed once per table); otherwise the input passes through.
+    """
+
+    def __init__(self, feature_names: list[list[str]], embedding_names: list[list[str]]):
+        self.pairs = [(e, f) for es, fs in zip(embedding_names, feature_names) for e, f in zip(es, fs)]
+        self.renamed = any(e != f for e, f in self.pairs)
+        self.known = {f for _, f in self.pairs}
+
+    def __call__(self, features: KeyedJaggedTensor, weighted: bool) -> KeyedJaggedTensor:
+        if not self.renamed:
+            return features
+        unknown = [k for k in features.keys() if k not in self.known]
+        if unknown:
+            raise ValueError(f"unknown feature(s) {unknown}: this collection looks up {sorted(self.known)}")
+        jts = features.to_dict()
+        missing = [f for f in self.known if f not in jts]
+        if missing:
+            raise ValueError(f"missing feature(s) {sorted(missing)} in the KeyedJaggedTensor")
+        return KeyedJaggedTensor.from_jt_dict(
+            {e: JaggedTensor(values=jts[f].values(), lengths=jts[f].lengths(), weights=jts[f].weights_or_none() if weighted else None) for e, f in self.pairs}
+        )
+
+
+class EmbeddingBagCollection(torchrec.EmbeddingBagCollection):
+    """TorchRec's ``EmbeddingBagCollection`` whose tables are dynemb tables keyed by raw int64 ids.
+
+    Args:
+        tables: TorchRec ``EmbeddingBagConfig`` s (name, feature_names, embedding_dim, pooling
+            SUM or MEAN, data_type FP32 or BF16). ``num_embeddings`` becomes the table's
+            ``capacity`` (most keys held), not a bound on the ids: every int64 is a valid id.
+        options: table name -> extra ``dynemb.TableConfig`` fields (``capacity``,
+            ``score_strategy``, ``initializer``, ``admission``, ``device``...).
+        optimizer: fused dynemb optimizer (``dynemb.optim.*``) for every table; ``None``: frozen.
+        update: ``"fused"`` (rows updated in backward) or ``"deferred"`` (on ``optimizer.step()``).
+        device: where the tables live (default CPU) unless ``options`` says otherwise.
+        is_weighted: as TorchRec's: pool with the KJT's weights.
+
+    ``forward(features: KeyedJaggedTensor) -> KeyedTensor`` exactly as TorchRec's: keys are the
+    embedding names in table order, values ``[B, sum D_f]``, ``length_per_key`` the dims. The
+    native collection is ``self.collection`` (a ``dynemb.DynamicEmbeddingBagCollection``); the
+    module's ``state_dict()`` holds its tables and no dense ``[num_embeddings, D]`` weight.
+    """
+
+    def __init__(
+        self,
+        tables: list[torchrec.EmbeddingBagConfig],
+        *,
+        options: Mapping[str, Mapping] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        update: str = "fused",
+        device: torch.device | str | None = None,
+        is_weighted: bool = False,
+    ):
+        device = _real_device(device)
+        # Meta dummies: TorchRec's bookkeeping (configs, names, dims) without dense weights.
+        super().__init__(tables=tables, is_weighted=is_weighted, device=_META)
+        _strip_dummy_weights(self.embedding_bags)
+        names = get_embedding_names_by_table(tables)
+        opts = check_options(options, [t.name for t in tables])
+        configs = [table_config(t, n, opts.get(t.name, {}), device) for t, n in zip(tables, names)]
+        self.collection = dynemb.DynamicEmbeddingBagCollection(configs, optimizer, update=update, is_weighted=is_weighted)
+        if list(self.collection.feature_names) != self._embedding_names:
+            raise RuntimeError(f"dynemb collection orders features {list(self.collection.feature_names)}, TorchRec {self._embedding_names}")
+        self._device = configs[0].device if configs else (device or torch.device("cpu"))
+        self._features = _Features(self._feature_names, names)
+
+    def reset_parameters(self) -> None:
+        """No-op: dynemb initialises each key's row when the key first arrives."""
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """features: KJT of F features x B samples (raw int64 ids) -> KeyedTensor [B, sum D_f]."""
+        features = maybe_td_to_kjt(features, None)
+        _reject_variable_batch(features, type(self).__name__)
+        if not self._is_weighted:
+            features = _without_weights(features)
+        pooled = self.collection(self._features(features, self._is_weighted))
+        return KeyedTensor(
+            keys=self._embedding_names,
+            values=pooled.concat.float(),  # [B, sum D_f]
+            length_per_key=self._lengths_per_embedding,
+        )
+
+    def stats(self) -> dict[str, dict]:
+        """Table name -> the table's stats (size, capacity, evictions, failed inserts...)."""
+        return self.collection.stats()
+
+
+class EmbeddingCollection(torchrec.EmbeddingCollection):
+    """TorchRec's ``EmbeddingCollection`` whose tables are dynemb tables keyed by raw int64 ids.
+
+    Args:
+        tables: TorchRec ``EmbeddingConfig`` s (one embedding_dim for all, as TorchRec requires).
+        options, optimizer, update, device: as :class:`EmbeddingBagCollection`.
+        need_indices: as TorchRec's: each output JaggedTensor carries the ids as its weights.
+
+    ``forward(features: KeyedJaggedTensor) -> dict[str, JaggedTensor]`` exactly as TorchRec's:
+    embedding name -> JaggedTensor(values ``[n_f, D]``, the feature's lengths ``[B]``).
+    """
+
+    def __init__(
+        self,
+        tables: list[torchrec.EmbeddingConfig],
+        *,
+        options: Mapping[str, Mapping] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        update: str = "fused",
+        device: torch.device | str | None = None,
+        need_indices: bool = False,
+    ):
+        device = _real_device(device)
+        super().__init__(tables=tables, device=_META, need_indices=need_indices)
+        _strip_dummy_weights(self.embeddings)
+        opts = check_options(options, [t.name for t in tables])
+        names = self._embedding_names_by_table
+        configs = [table_config(t, n, opts.get(t.name, {}), device) for t, n in zip(tables, names)]
+        self.collection = dynemb.DynamicEmbeddingCollection(configs, optimizer, update=update)
+        flat = [n for ns in names for n in ns]
+        if list(self.collection.feature_names) != flat:
+            raise RuntimeError(f"dynemb collection orders features {list(self.collection.feature_names)}, TorchRec {flat}")
+        self._device = configs[0].device if configs else (device or torch.device("cpu"))
+        self._features = _Features(self._feature_names, names)
+
+    def reset_parameters(self) -> None:
+        """No-op: dynemb initialises each key's row when the key first arrives."""
+
+    def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        """features: KJT of F features x B samples (raw int64 ids) -> name -> JaggedTensor [n_f, D]."""
+        features = maybe_td_to_kjt(features, None)
+        _reject_variable_batch(features, type(self).__name__)
+        out = self.collection(self._features(_without_weights(features), weighted=False))
+        result: dict[str, JaggedTensor] = {}
+        for embedding_name, feature_name in self._features.pairs:
+            values, lengths = out[embedding_name]
+            result[embedding_name] = JaggedTensor(
+                values=values.float(),  # [n_f, D]
+                lengths=lengths,
+                weights=features[feature_name].values() if self._need_indices else None,
+            )
+        return result
+
+    def stats(self) -> dict[str, dict]:
+        """Table name -> the table's stats (size, capacity, evictions, failed inserts...)."""
+        return self.collection.stats()
