@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from dynemb.types import CheckMode, InitKind, NonFiniteGrads, ScoreStrategy
+from dynemb.types import CheckMode, InitKind, NonFiniteGrads, PoolingMode, ScoreStrategy
 
 
 def _require(ok: bool, field: str, value, why: str) -> None:
@@ -130,7 +130,10 @@ class TableConfig:
             ``skip`` (default: its row is not updated, ``stats()["nonfinite_grads"]`` counts it),
             ``raise`` (``FloatingPointError`` before any row of the batch changes) or ``apply``.
         name: the table's name (collections and checkpoints refer to it).
-        feature_names: the features looked up in this table (collections).
+        feature_names: the features looked up in this table (collections; default: the
+            table's name).
+        pooling: how a bag collection pools this table's features, ``sum`` (default, as
+            TorchRec) or ``mean`` (the single-table modules take ``mode=`` instead).
     """
 
     embedding_dim: int
@@ -149,6 +152,7 @@ class TableConfig:
     nonfinite_grads: NonFiniteGrads | str = NonFiniteGrads.SKIP
     name: str | None = None
     feature_names: tuple[str, ...] | list[str] | None = None
+    pooling: PoolingMode | str = PoolingMode.SUM
 
     def __post_init__(self):
         _require_int("embedding_dim", self.embedding_dim, 1)
@@ -198,3 +202,5 @@ class TableConfig:
                 "must be a list of distinct non-empty str",
             )
             object.__setattr__(self, "feature_names", tuple(names))
+        object.__setattr__(self, "pooling", PoolingMode.parse(self.pooling, "pooling"))
+        _require(self.pooling is not PoolingMode.NONE, "pooling", str(self.pooling), "must be 'sum' or 'mean'")

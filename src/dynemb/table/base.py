@@ -36,6 +36,8 @@ class IndexResult:
             way its content is unchanged until the caller writes it: read it first.
         evicted_scores (Tensor[int64]): [E] their scores when they left.
         failed_keys (Tensor[int64]): [F] unique keys that could not be placed.
+        evicted_segments, failed_segments (Tensor[int64] | None): [E] and [F] segment of each
+            evicted and failed key (segmented indexes only, else None).
     """
 
     positions: torch.Tensor
@@ -46,6 +48,8 @@ class IndexResult:
     evicted_rows: torch.Tensor
     evicted_scores: torch.Tensor
     failed_keys: torch.Tensor
+    evicted_segments: torch.Tensor | None = None
+    failed_segments: torch.Tensor | None = None
 
     @property
     def ok(self) -> torch.Tensor:

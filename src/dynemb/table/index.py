@@ -116,6 +116,32 @@ def index_bytes(num_slots: int) -> int:
     return _BYTES_PER_SLOT * num_slots
 
 
+def _pick(values: torch.Tensor | None, at: torch.Tensor) -> torch.Tensor | None:
+    """values[at] ([n] -> [m]), or None when there are no values (an index without segments)."""
+    return None if values is None else values.index_select(0, at)
+
+
+def unique_pairs(first: torch.Tensor, second: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Distinct (first, second) pairs of two [N] int64 tensors, sorted by first, then second.
+
+    Returns:
+        (first, second) of the U distinct pairs ([U] each), inverse ([N], the pair of each
+        input) and counts ([U]).
+    """
+    by_second = torch.sort(second, stable=True)
+    by_first = torch.sort(first.index_select(0, by_second.indices), stable=True)
+    order = by_second.indices.index_select(0, by_first.indices)  # [N] input index in pair order
+    f, s = by_first.values, second.index_select(0, order)
+    start = torch.ones_like(f, dtype=torch.bool)
+    if f.numel() > 1:
+        start[1:] = (f[1:] != f[:-1]) | (s[1:] != s[:-1])
+    group = start.cumsum(0) - 1  # [N] pair id in sorted order
+    inverse = torch.empty_like(group).index_copy_(0, order, group)
+    starts = start.nonzero().squeeze(1)
+    counts = torch.diff(starts, append=starts.new_tensor([f.numel()]))
+    return (f.index_select(0, starts), s.index_select(0, starts)), inverse, counts
+
+
 def _follow(positions: torch.Tensor, moves: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Flat slots after keys moved: each step's (from, to) slots ([m] each, distinct) applied in
     order to positions ([n], -1 for none); returns [n]."""
@@ -233,16 +259,38 @@ class KeyIndex:
     def _check_keys(self, keys: torch.Tensor, name: str = "keys") -> torch.Tensor:
         return check_keys(keys, name, self.device)
 
-    def _candidate_slots(self, keys: torch.Tensor) -> torch.Tensor:
+    def _buckets(self, keys: torch.Tensor, seg: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two candidate buckets of keys ([N] -> two [N]); ``seg`` ([N] segment of each key)
+        is only meaningful for a :class:`dynemb.table.segmented.SegmentedKeyIndex`."""
+        return candidate_buckets(keys, self.num_buckets)
+
+    def _bucket_segments(self, buckets: torch.Tensor) -> torch.Tensor | None:
+        """Segment of each bucket ([N] -> [N]); None for an index without segments."""
+        return None
+
+    def _count(self, name: str, positions: torch.Tensor | None = None, seg: torch.Tensor | None = None, n: int | None = None) -> None:
+        """Add to counter ``name`` the keys at flat ``positions`` (or of segments ``seg``, or ``n``)."""
+        if name in self._stats:
+            self._stats[name] += (positions if positions is not None else seg).numel() if n is None else n
+
+    def _state_buckets(self, keys: torch.Tensor, slots: torch.Tensor, num_buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Candidate buckets of keys saved at flat ``slots`` in a state of ``num_buckets`` buckets."""
+        return candidate_buckets(keys, num_buckets)
+
+    def _distinct_entries(self, keys: torch.Tensor, slots: torch.Tensor) -> int:
+        """Number of distinct entries among keys saved at flat ``slots``."""
+        return torch.unique(keys).numel()
+
+    def _candidate_slots(self, keys: torch.Tensor, seg: torch.Tensor | None = None) -> torch.Tensor:
         """Flat positions of the 2W candidate slots of each key ([N] -> [N, 2W]), bucket 1 first."""
-        b1, b2 = candidate_buckets(keys, self.num_buckets)
+        b1, b2 = self._buckets(keys, seg)
         W = self.bucket_capacity
         return (torch.stack([b1, b2], 1) * W)[:, :, None].add(self._slot_ids).view(-1, 2 * W)
 
-    def _locate(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _locate(self, keys: torch.Tensor, seg: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat slot of each key (-1 if absent) and whether it is present ([N] int64, [N] bool)."""
         W = self.bucket_capacity
-        b1, b2 = candidate_buckets(keys, self.num_buckets)
+        b1, b2 = self._buckets(keys, seg)
         buckets = torch.stack([b1, b2], 1).view(-1)  # [2N]
         n = keys.numel()
         ws = self._workspace
@@ -257,24 +305,32 @@ class KeyIndex:
         pos = torch.where(found, bucket * W + slot % W, -1)
         return pos, found
 
-    def find(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _check_segments(self, segments: torch.Tensor | None, n: int) -> torch.Tensor | None:
+        """The segment of each of n keys ([n] int64), validated; an index without segments takes none."""
+        if segments is not None:
+            raise ValueError("segments=: this index has no segments (see dynemb.table.segmented.SegmentedKeyIndex)")
+        return None
+
+    def find(self, keys: torch.Tensor, *, segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Row ids of keys, without side effects.
 
         Args:
             keys (Tensor[int64]): [*] any shape.
+            segments (Tensor[int64] | None): [*] like keys, the segment (table) of each key
+                (segmented indexes only).
         Returns:
             rows (Tensor[int64]): [*] row id, -1 where absent.
             found (Tensor[bool]): [*]
         """
         flat = self._check_keys(keys)
-        pos, found = self._locate(flat)
+        pos, found = self._locate(flat, self._check_segments(segments, flat.numel()))
         rows = torch.where(found, self._rows.view(-1).index_select(0, pos.clamp(min=0)), -1)
         return rows.view(keys.shape), found.view(keys.shape)
 
-    def scores(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def scores(self, keys: torch.Tensor, *, segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores of keys ([*] int64, 0 where absent) and whether found ([*] bool); no side effects."""
         flat = self._check_keys(keys)
-        pos, found = self._locate(flat)
+        pos, found = self._locate(flat, self._check_segments(segments, flat.numel()))
         scores = torch.where(found, self._scores.view(-1).index_select(0, pos.clamp(min=0)), 0)
         return scores.view(keys.shape), found.view(keys.shape)
 
@@ -329,6 +385,7 @@ class KeyIndex:
         *,
         now: int | None = None,
         given: torch.Tensor | None = None,
+        segments: torch.Tensor | None = None,
     ) -> IndexResult:
         """Find U distinct, ascending keys and insert the missing ones, evicting where full.
 
@@ -343,6 +400,8 @@ class KeyIndex:
             now: the clock (timestamp or step) for the ``timestamp``, ``step`` and
                 ``no_eviction`` strategies; required by them unless ``given`` is passed.
             given (Tensor[int64] | None): [U] scores to assign (``customized``; any strategy).
+            segments (Tensor[int64] | None): [U] segment of each key (segmented indexes only);
+                the (segment, key) pairs are distinct and sorted by segment, then key.
         Returns:
             IndexResult over the U keys.
         """
@@ -356,17 +415,19 @@ class KeyIndex:
                 raise ValueError(f"given has {given.numel()} values for {unique.numel()} keys")
         if now is not None:
             now = _check_now(now)
+        seg = self._check_segments(segments, unique.numel())
         batch_scores = self._batch_scores(counts, now, given)
         # Every tensor the index keeps is written here: mutate outside inference mode.
         with torch.inference_mode(False):
-            return self._upsert(unique, counts, batch_scores, given is None)
+            return self._upsert(unique, counts, batch_scores, given is None, seg)
 
-    def _upsert(self, unique: torch.Tensor, counts: torch.Tensor, batch_scores: torch.Tensor, own: bool) -> IndexResult:
-        """upsert_unique after argument checks; ``own``: the scores are the strategy's (not given)."""
+    def _upsert(self, unique: torch.Tensor, counts: torch.Tensor, batch_scores: torch.Tensor, own: bool, seg: torch.Tensor | None = None) -> IndexResult:
+        """upsert_unique after argument checks; ``own``: the scores are the strategy's (not given);
+        ``seg``: [U] segment of each key (segmented indexes)."""
         lfu_add = own and self.strategy is ScoreStrategy.LFU
         # With one clock value for every key, priority order is already that of the keys.
         uniform = own and self.strategy in _CLOCKED
-        pos, found = self._locate(unique)
+        pos, found = self._locate(unique, seg)
         found_pos = pos[found]
         flat_scores = self._scores.view(-1)
         if lfu_add:
@@ -384,12 +445,13 @@ class KeyIndex:
             missing = missing.index_select(0, by_score.indices)
         new_keys = unique.index_select(0, missing)
         new_scores = batch_scores.index_select(0, missing)
+        new_seg = None if seg is None else seg.index_select(0, missing)
         grown = False
         while self._can_grow() and self._size + missing.numel() > self.max_load_factor * self.current_capacity():
             self._grow()
             grown = True
         if grown:
-            pos, _ = self._locate(unique)
+            pos, _ = self._locate(unique, seg)
         new_pos = torch.full_like(missing, -1)  # [M] slot of each new key once placed
         waiting = torch.ones_like(missing, dtype=torch.bool)  # [M] not placed yet
         # New keys for which moving residents may still free a slot: a key none of whose
@@ -400,7 +462,9 @@ class KeyIndex:
         # the priority of the placed ones (_displace), or ends. The host syncs per pass (sizes of
         # masked selections) are what lets the loop stop as soon as every key is placed.
         while to_place.numel():
-            placed, placed_pos = self._place_free(new_keys.index_select(0, to_place), new_scores.index_select(0, to_place))
+            placed, placed_pos = self._place_free(
+                new_keys.index_select(0, to_place), new_scores.index_select(0, to_place), _pick(new_seg, to_place)
+            )
             done = to_place[placed]
             new_pos.index_copy_(0, done, placed_pos[placed])
             waiting.index_fill_(0, done, False)
@@ -410,7 +474,7 @@ class KeyIndex:
             if self._can_grow():
                 self._grow()
                 # Growth moved every key: find the batch's keys again.
-                pos, _ = self._locate(unique)
+                pos, _ = self._locate(unique, seg)
                 new_pos = torch.where(waiting, -1, pos.index_select(0, missing))
                 to_place = pending
                 continue
@@ -421,7 +485,7 @@ class KeyIndex:
                 tried = pending[hopeful.index_select(0, pending)][: 4 * (self.current_capacity() - self._size)]
                 if tried.numel() == 0:
                     break
-                room, stuck, moves = self._make_room(new_keys.index_select(0, tried))
+                room, stuck, moves = self._make_room(new_keys.index_select(0, tried), _pick(new_seg, tried))
                 hopeful.index_fill_(0, tried[stuck], False)
                 pos, new_pos = _follow(pos, moves), _follow(new_pos, moves)
                 to_place = tried[room]
@@ -433,27 +497,30 @@ class KeyIndex:
                 continue
             # Full: keys that found no free slot take slots of lower-priority keys of the batch;
             # displaced keys go round again (their other bucket may have room).
-            pending, displaced = self._displace(new_keys, new_scores, pending, new_pos)
+            pending, displaced = self._displace(new_keys, new_scores, pending, new_pos, new_seg)
             if not displaced:
                 break
             waiting.zero_().index_fill_(0, pending, True)
             to_place = pending
         pos = pos.index_copy(0, missing, new_pos)
 
-        evicted = (torch.empty(0, dtype=torch.int64, device=self.device),) * 3
+        evicted = (torch.empty(0, dtype=torch.int64, device=self.device),) * 4
         if pending.numel() and self.strategy is not ScoreStrategy.NO_EVICTION:
-            victim_pos, *evicted = self._evict_for(new_keys[pending], new_scores[pending], pos[pos >= 0])
+            victim_pos, *evicted = self._evict_for(new_keys[pending], new_scores[pending], pos[pos >= 0], _pick(new_seg, pending))
             pos.index_copy_(0, missing[pending], victim_pos)
+        *evicted, taken = evicted
         ok = pos >= 0
         rows = torch.where(ok, self._rows.view(-1).index_select(0, pos.clamp(min=0)), -1)
         failed_keys = unique[~ok]
-        self._stats["failed_inserts"] += failed_keys.numel()
-        return IndexResult(pos, rows, found, ok & ~found, *evicted, failed_keys)
+        failed_seg = None if seg is None else seg[~ok]
+        self._count("failed_inserts", seg=failed_seg, n=failed_keys.numel())
+        evicted_seg = None if seg is None else self._bucket_segments(taken // self.bucket_capacity)
+        return IndexResult(pos, rows, found, ok & ~found, *evicted, failed_keys, evicted_seg, failed_seg)
 
     def _can_grow(self) -> bool:
         return self.num_buckets < self.max_buckets
 
-    def _place_free(self, keys: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _place_free(self, keys: torch.Tensor, scores: torch.Tensor, seg: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Put P keys (in priority order) into free slots of their candidate buckets.
 
         A batch places its keys in rounds, each key going to its candidate with more free slots;
@@ -469,7 +536,7 @@ class KeyIndex:
         pos = torch.full_like(keys, -1)
         if self._size == self.current_capacity():
             return placed, pos
-        b1, b2 = candidate_buckets(keys, self.num_buckets)
+        b1, b2 = self._buckets(keys, seg)
         # Ties between equally free candidates go by a bit of the buckets, not always to bucket 1.
         tie_second = ((b1 ^ b2) & 1).bool()
         W = self.bucket_capacity
@@ -519,7 +586,7 @@ class KeyIndex:
         self._scores.view(-1).index_copy_(0, fit_pos, scores.index_select(0, fit_idx))
         self._rows.view(-1).index_copy_(0, fit_pos, self.free_list.allocate(fit_pos.numel()))
         self._size += fit_pos.numel()
-        self._stats["inserts"] += fit_pos.numel()
+        self._count("inserts", fit_pos)
         out_fits = torch.zeros_like(fits).index_copy_(0, order, fits)
         out_pos = torch.empty_like(pos).index_copy_(0, order, pos)
         return out_fits, out_pos
@@ -538,7 +605,7 @@ class KeyIndex:
         target = free & (free.cumsum(1) == (rank + 1)[:, None])
         return fits, bucket * self.bucket_capacity + target.view(torch.uint8).argmax(1)
 
-    def _make_room(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    def _make_room(self, keys: torch.Tensor, seg: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Free slots in the full candidate buckets of P pending keys by moving resident keys to
         their other candidate bucket (cuckoo displacement; a moved key keeps its row id and
         score).
@@ -555,7 +622,7 @@ class KeyIndex:
         if free == 0:
             nothing = torch.zeros_like(keys, dtype=torch.bool)
             return nothing, ~nothing, moves
-        b1, b2 = candidate_buckets(keys, self.num_buckets)
+        b1, b2 = self._buckets(keys, seg)
         needy = torch.unique(torch.cat([b1, b2]))  # [Q]
         # Chains of two moves look at W times more keys; they are tried for at most as many
         # buckets as there are free slots, which bounds their cost when the index is nearly full.
@@ -580,8 +647,8 @@ class KeyIndex:
         if F == 0:
             return full
         residents = self._keys.index_select(0, full).view(-1)  # [F * W]
-        r1, r2 = candidate_buckets(residents, self.num_buckets)
         own = full.repeat_interleave(W)
+        r1, r2 = self._buckets(residents, self._bucket_segments(own))
         alt = torch.where(r1 == own, r2, r1)  # [F * W], == own when both candidates coincide
         free_alt = (W - self._used.index_select(0, alt).sum(1)).masked_fill_(alt == own, 0).view(F, W)
         alt = alt.view(F, W)
@@ -614,7 +681,7 @@ class KeyIndex:
                 return torch.cat([self._move_out(explore, 1, 0, moves), full.index_select(0, rest)])
         return full.index_select(0, stuck)
 
-    def _displace(self, keys: torch.Tensor, scores: torch.Tensor, pending: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def _displace(self, keys: torch.Tensor, scores: torch.Tensor, pending: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
         """Restore priority after batched placement: a pending key takes the slot of the
         lowest-priority key this batch placed in its candidate buckets, if that key ranks below
         it; the displaced key becomes pending and may displace in turn.
@@ -634,7 +701,7 @@ class KeyIndex:
             if placed.numel() == 0:
                 break
             by_pos = torch.sort(pos.index_select(0, placed))
-            cand = self._candidate_slots(keys.index_select(0, active))  # [A, 2W]
+            cand = self._candidate_slots(keys.index_select(0, active), _pick(seg, active))  # [A, 2W]
             at = torch.searchsorted(by_pos.values, cand).clamp_(max=placed.numel() - 1)
             hit = by_pos.values.index_select(0, at.view(-1)).view(cand.shape) == cand
             rank = torch.where(hit, placed.index_select(0, by_pos.indices.index_select(0, at.view(-1))).view(cand.shape), -1)
@@ -660,7 +727,7 @@ class KeyIndex:
             active = torch.sort(torch.cat([active[~winner], loser_rank])).values
         return torch.sort(pending).values, displaced
 
-    def _evict_for(self, keys: torch.Tensor, scores: torch.Tensor, locked_pos: torch.Tensor):
+    def _evict_for(self, keys: torch.Tensor, scores: torch.Tensor, locked_pos: torch.Tensor, seg: torch.Tensor | None = None):
         """Place P keys (priority order) whose buckets are full by evicting, for each, the
         lowest-scored unlocked key of its 2W candidate slots (ties: bucket 1 before bucket 2,
         lower slot first), if that score is not above its own (lfu: whatever its score).
@@ -675,7 +742,7 @@ class KeyIndex:
         lock.index_fill_(0, locked_pos, True)
         flat_keys, flat_scores, flat_rows = self._keys.view(-1), self._scores.view(-1), self._rows.view(-1)
         flat_used = self._used.view(-1)
-        candidates = self._candidate_slots(keys)  # [P, 2W]
+        candidates = self._candidate_slots(keys, seg)  # [P, 2W]
         pos = torch.full_like(keys, -1)
         active = torch.arange(keys.numel(), device=self.device)
         won = []
@@ -704,7 +771,7 @@ class KeyIndex:
             top = torch.full_like(shared, _MAX_SCORE).scatter_reduce_(0, inverse, active.repeat_interleave(2), reduce="amin")
             winner = (top.index_select(0, inverse).view(-1, 2) >= active[:, None]).all(1)
             w_keys, w_pos = active[winner], victim[winner]
-            won.append((flat_keys.index_select(0, w_pos), flat_rows.index_select(0, w_pos), flat_scores.index_select(0, w_pos)))
+            won.append((flat_keys.index_select(0, w_pos), flat_rows.index_select(0, w_pos), flat_scores.index_select(0, w_pos), w_pos))
             flat_keys.index_copy_(0, w_pos, keys.index_select(0, w_keys))
             flat_scores.index_copy_(0, w_pos, scores.index_select(0, w_keys))
             lock.index_fill_(0, w_pos, True)
@@ -713,10 +780,10 @@ class KeyIndex:
         lock.index_fill_(0, locked_pos, False)
         lock.index_fill_(0, pos[pos >= 0], False)
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
-        evicted = [torch.cat(parts) for parts in zip(*won)] if won else [empty] * 3
-        self._stats["evictions"] += evicted[0].numel()
-        self._stats["inserts"] += evicted[0].numel()
-        return (pos, *evicted)
+        *evicted, taken = [torch.cat(parts) for parts in zip(*won)] if won else [empty] * 4
+        self._count("evictions", taken)
+        self._count("inserts", taken)
+        return (pos, *evicted, taken)
 
     def _grow(self) -> None:
         """Double the buckets and re-place every key with its row id and score; a key in old
@@ -742,7 +809,7 @@ class KeyIndex:
         self._set_tables(tables)
         self._stats["growths"] += 1
 
-    def erase(self, keys: torch.Tensor) -> IndexResult:
+    def erase(self, keys: torch.Tensor, *, segments: torch.Tensor | None = None) -> IndexResult:
         """Remove keys and give their row ids back to the free list.
 
         Args:
@@ -753,9 +820,14 @@ class KeyIndex:
             keys (each once, ascending), their former row ids and scores; no failed keys.
         """
         flat = self._check_keys(keys)
-        unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+        seg = self._check_segments(segments, flat.numel())
+        if seg is None:
+            unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+            useg = None
+        else:
+            (useg, unique), inverse, _ = unique_pairs(seg, flat)
         with torch.inference_mode(False):
-            pos, found = self._locate(unique)
+            pos, found = self._locate(unique, useg)
             hit = pos[found]
             erased = unique[found]
             erased_rows = self._rows.view(-1).index_select(0, hit)
@@ -763,6 +835,7 @@ class KeyIndex:
             self._used.view(-1).index_fill_(0, hit, False)
             self.free_list.release(erased_rows)
             self._size -= hit.numel()
+            self._count("erased", hit)
         n = flat.numel()
         absent = torch.full((n,), -1, dtype=torch.int64, device=self.device)
         return IndexResult(
@@ -774,6 +847,8 @@ class KeyIndex:
             evicted_rows=erased_rows,
             evicted_scores=erased_scores,
             failed_keys=torch.empty(0, dtype=torch.int64, device=self.device),
+            evicted_segments=None if useg is None else useg[found],
+            failed_segments=None if useg is None else useg[:0],
         )
 
     def export(self, chunk_size: int = 1 << 16) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -862,9 +937,9 @@ class KeyIndex:
                 raise ValueError(f"state entry 'slots': must lie in [0, {slot_count})")
             if torch.unique(slots).numel() != K:
                 raise ValueError("state entry 'slots': must be distinct")
-            if torch.unique(keys).numel() != K:
+            if self._distinct_entries(keys, slots) != K:
                 raise ValueError("state entry 'keys': must be distinct")
-            b1, b2 = candidate_buckets(keys, B)
+            b1, b2 = self._state_buckets(keys, slots, B)
             bucket = slots // W
             if not bool(((bucket == b1) | (bucket == b2)).all()):
                 raise ValueError("state entry 'slots': a key sits outside its candidate buckets")

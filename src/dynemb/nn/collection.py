@@ -1,0 +1,582 @@
+"""Collections of dynamic tables fed by many features at once.
+
+F features, T tables, B samples (the batch), N_f ids of feature f, U unique (table, key) pairs of
+a group, D a table's embedding dim.
+
+:class:`DynamicEmbeddingBagCollection` (pooled, ``feature -> [B, D]``) and
+:class:`DynamicEmbeddingCollection` (sequence, ``feature -> (values [N_f, D], lengths [B])``)
+take a KeyedJaggedTensor (duck-typed) or a dict ``feature -> (values, lengths[, weights])``.
+Tables that share embedding dim, dtype, device, bucket width, score strategy and non-finite
+policy form a group, looked up and updated in one pass: one de-duplication of (table, key)
+pairs, one index call, one gather and one fused optimizer step per batch
+(:class:`dynemb.nn.group.GroupEngine`). A table read by several features takes one step per
+batch, its features' gradients summed per key first. See docs/design/0011-collections.md.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch.utils.hooks import RemovableHandle
+
+from dynemb.config import TableConfig
+from dynemb.errors import InsertionError
+from dynemb.nn.admission import FrequencyAdmission
+from dynemb.nn.autograd import FusedEmbeddings, Lookup
+from dynemb.nn.group import GroupEngine, GroupResolved, group_key
+from dynemb.optim.base import RowOptimizer
+from dynemb.table.index import unique_pairs
+from dynemb.types import CheckMode, PoolingMode, ScoreStrategy
+from dynemb.workspace import writable
+
+_UPDATES = ("fused", "deferred")
+
+
+class GroupLookup(Lookup):
+    """A group's lookup: :class:`Lookup` plus the segment of each unique key and the group."""
+
+    __slots__ = ("group", "segments")
+
+    def __init__(self, owner, group: int, keys, segments, rows, data, version: int):
+        super().__init__(owner, keys, rows, data, version)
+        self.group, self.segments = group, segments
+
+
+class PooledEmbeddings(dict):
+    """``feature -> Tensor [B, D_f]``, every value a view of :attr:`concat`.
+
+    Attributes:
+        concat (Tensor): [B, sum D_f], features in the collection's ``feature_names`` order.
+        feature_names (list[str]): that order.
+    """
+
+    def __init__(self, concat: torch.Tensor, feature_names: list[str], dims: list[int]):
+        super().__init__(zip(feature_names, torch.split(concat, dims, dim=1)))
+        self.concat = concat
+        self.feature_names = list(feature_names)
+
+
+class _Group:
+    """Static layout of one group: its tables (segments) and features."""
+
+    def __init__(self, index: int, tables: list[int]):
+        self.index = index
+        self.tables = tables  # collection table indices, segment s = tables[s]
+        self.features: list[int] = []  # collection feature indices, in collection order
+        self.feature_segments: list[int] = []
+
+
+class _Batch:
+    """Validated input: per feature (collection order) its values [N_f], lengths [B] and weights."""
+
+    def __init__(self, values: list[torch.Tensor], lengths: list[torch.Tensor], weights: list[torch.Tensor | None], batch: int):
+        self.values, self.lengths, self.weights, self.batch = values, lengths, weights, batch
+
+
+class _DynamicCollection(torch.nn.Module):
+    """What both collections share: tables, groups, input parsing, lookups, policy and state."""
+
+    pooled = False
+
+    def __init__(self, tables: list[TableConfig], optimizer: RowOptimizer | None = None, *, update: str = "fused"):
+        super().__init__()
+        if not isinstance(tables, (list, tuple)) or not tables or not all(isinstance(t, TableConfig) for t in tables):
+            raise TypeError(f"tables={tables!r}: must be a non-empty list of dynemb.TableConfig")
+        if optimizer is not None and not isinstance(optimizer, RowOptimizer):
+            raise TypeError(f"optimizer={optimizer!r}: must be a dynemb.optim optimizer (SGD, Adagrad, RowWiseAdagrad, Adam) or None")
+        if update not in _UPDATES:
+            raise ValueError(f"update={update!r}: must be 'fused' or 'deferred'")
+        if update == "deferred" and optimizer is None:
+            raise ValueError("update='deferred' needs an optimizer (its step() applies the accumulated gradients)")
+        self.update = update
+        self.table_configs = list(tables)
+        self.table_names: list[str] = []
+        for i, t in enumerate(tables):
+            name = t.name if t.name is not None else f"t{i}"
+            if name in self.table_names:
+                raise ValueError(f"tables[{i}].name={name!r}: table names must be distinct")
+            if t.score_strategy is ScoreStrategy.CUSTOMIZED:
+                raise ValueError(f"tables[{i}].score_strategy='customized': not supported in collections yet; use a DynamicTable")
+            if "." in name:
+                raise ValueError(f"tables[{i}].name={name!r}: must not contain '.' (it separates state_dict entries)")
+            self.table_names.append(name)
+        self.feature_names: list[str] = []
+        self._feature_table: list[int] = []
+        for i, t in enumerate(tables):
+            for f in t.feature_names or (self.table_names[i],):
+                if f in self.feature_names:
+                    other = self.table_names[self._feature_table[self.feature_names.index(f)]]
+                    raise ValueError(f"feature {f!r} is listed by tables {other!r} and {self.table_names[i]!r}: a feature reads one table")
+                self.feature_names.append(f)
+                self._feature_table.append(i)
+        self._feature_pos = {f: j for j, f in enumerate(self.feature_names)}
+        self.feature_dims = [tables[t].embedding_dim for t in self._feature_table]
+        # Groups: tables sharing a group key, in order of first appearance.
+        keys: dict[tuple, list[int]] = {}
+        for i, t in enumerate(tables):
+            keys.setdefault(group_key(t), []).append(i)
+        self._groups = [_Group(g, members) for g, members in enumerate(keys.values())]
+        self._table_group: list[tuple[int, int]] = [(0, 0)] * len(tables)
+        for group in self._groups:
+            for s, t in enumerate(group.tables):
+                self._table_group[t] = (group.index, s)
+        for j, t in enumerate(self._feature_table):
+            g, s = self._table_group[t]
+            self._groups[g].features.append(j)
+            self._groups[g].feature_segments.append(s)
+        self.engines = [GroupEngine([tables[t] for t in group.tables], optimizer) for group in self._groups]
+        self.optimizer = optimizer
+        self.admissions = [FrequencyAdmission(t.admission, t.device) if t.admission else None for t in tables]
+        self.step = 0
+        self._last_timestamp = 0
+        self._lock = threading.RLock()
+        self._evict_hooks: dict[int, Callable] = {}
+        device = tables[0].device
+        self.last_failed_keys = {n: torch.empty(0, dtype=torch.int64, device=device) for n in self.table_names}
+        self.last_evicted_keys = {n: torch.empty(0, dtype=torch.int64, device=device) for n in self.table_names}
+        self._erased = [0] * len(tables)
+        if update == "deferred":
+            self._init_deferred()
+
+    # -- introspection -----------------------------------------------------------------------
+
+    def extra_repr(self) -> str:
+        tables = ", ".join(f"{n}(dim={c.embedding_dim}, capacity={c.capacity})" for n, c in zip(self.table_names, self.table_configs))
+        return f"tables=[{tables}], groups={len(self._groups)}, optimizer={self.optimizer!r}, update='{self.update}'"
+
+    def _engine_of(self, table: str) -> tuple[GroupEngine, int, int]:
+        if table not in self.table_names:
+            raise KeyError(f"table={table!r}: not a table of this collection ({self.table_names})")
+        t = self.table_names.index(table)
+        g, s = self._table_group[t]
+        return self.engines[g], s, t
+
+    def stats(self) -> dict[str, dict[str, int | float]]:
+        """Per table name: size, capacity, requested_capacity, load_factor, inserts, evictions,
+        erased, failed_inserts, admission_rejections, nonfinite_grads, step, optimizer_step."""
+        with self._lock:
+            out = {}
+            per_group = [e.index.segment_stats() for e in self.engines]
+            for t, name in enumerate(self.table_names):
+                g, s = self._table_group[t]
+                entry = dict(per_group[g][s])
+                entry["requested_capacity"] = self.table_configs[t].capacity
+                entry["admission_rejections"] = self.admissions[t].rejections if self.admissions[t] else 0
+                entry["nonfinite_grads"] = self.engines[g].nonfinite_grads[s]
+                entry["step"] = self.step
+                entry["optimizer_step"] = self.engines[g].optimizer_steps[s]
+                out[name] = entry
+            return out
+
+    def register_evict_hook(self, fn: Callable) -> RemovableHandle:
+        """Call ``fn(table_name, keys, rows)`` for every key that leaves a table (evicted or
+        erased); ``rows`` as for :meth:`DynamicTable.register_evict_hook`."""
+        if not callable(fn):
+            raise TypeError(f"fn={fn!r}: must be callable as fn(table_name, keys, rows)")
+        handle = RemovableHandle(self._evict_hooks)
+        self._evict_hooks[handle.id] = fn
+        return handle
+
+    # -- input -------------------------------------------------------------------------------
+
+    def _parse(self, features) -> _Batch:
+        """Check the input and split it per feature (collection order); raises naming the feature."""
+        device = self.table_configs[0].device
+        if isinstance(features, Mapping):
+            per = {}
+            for f, item in features.items():
+                if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
+                    raise ValueError(f"feature {f!r}: expected (values, lengths) or (values, lengths, weights), got {type(item).__name__}")
+                per[f] = (item[0], item[1], item[2] if len(item) == 3 else None)
+            names = list(per)
+        elif all(hasattr(features, a) for a in ("keys", "values", "lengths")):
+            if callable(getattr(features, "variable_stride_per_key", None)) and features.variable_stride_per_key():
+                raise ValueError("a variable-batch KeyedJaggedTensor (stride per feature) is not supported: give every feature the same batch size")
+            names = list(features.keys())
+            values, lengths = features.values(), features.lengths()
+            weights = features.weights_or_none() if hasattr(features, "weights_or_none") else None
+            if not isinstance(lengths, torch.Tensor) or lengths.dim() != 1 or (names and lengths.numel() % len(names)):
+                raise ValueError(f"KeyedJaggedTensor: lengths of shape {tuple(lengths.shape)} do not split into {len(names)} features")
+            per_feature = lengths.view(len(names), -1) if names else lengths.view(0, 0)
+            totals = per_feature.sum(1).tolist()
+            if sum(totals) != values.numel():
+                raise ValueError(f"KeyedJaggedTensor: lengths sum to {sum(totals)} but values has {values.numel()} entries")
+            vs = torch.split(values, totals)
+            ws = torch.split(weights, totals) if weights is not None else [None] * len(names)
+            per = {f: (vs[j], per_feature[j], ws[j]) for j, f in enumerate(names)}
+        else:
+            raise TypeError(f"features: expected a KeyedJaggedTensor or a dict feature -> (values, lengths), got {type(features).__name__}")
+        unknown = [f for f in names if f not in self._feature_pos]
+        if unknown:
+            raise ValueError(f"features {unknown}: unknown to this collection (its features: {self.feature_names})")
+        missing = [f for f in self.feature_names if f not in per]
+        if missing:
+            raise ValueError(f"features {missing}: missing from the input (every feature of the collection is needed)")
+        out_v, out_l, out_w, batch = [], [], [], None
+        for f in self.feature_names:
+            v, ln, w = per[f]
+            if not isinstance(v, torch.Tensor) or v.dim() != 1 or v.dtype not in (torch.int64, torch.int32):
+                raise ValueError(f"feature {f!r}: values must be a 1-D int64 tensor, got {_describe(v)}")
+            if not isinstance(ln, torch.Tensor) or ln.dim() != 1 or ln.dtype not in (torch.int64, torch.int32):
+                raise ValueError(f"feature {f!r}: lengths must be a 1-D int tensor, got {_describe(ln)}")
+            if v.device != device or ln.device != device:
+                raise ValueError(f"feature {f!r}: values on {v.device}, lengths on {ln.device}; the tables live on {device}")
+            if batch is None:
+                batch = ln.numel()
+            elif ln.numel() != batch:
+                raise ValueError(f"feature {f!r}: {ln.numel()} lengths, but the batch has {batch} samples (variable batch sizes are not supported)")
+            ln = ln.to(torch.int64)
+            if ln.numel() and bool((ln < 0).any()):
+                raise ValueError(f"feature {f!r}: lengths must be >= 0")
+            total = int(ln.sum()) if ln.numel() else 0
+            if total != v.numel():
+                raise ValueError(f"feature {f!r}: lengths sum to {total} but values has {v.numel()} entries")
+            if w is not None:
+                if not self.pooled or not self.is_weighted:
+                    raise ValueError(f"feature {f!r}: weights given to an unweighted collection (build it with is_weighted=True)")
+                if not isinstance(w, torch.Tensor) or w.shape != v.shape or not w.is_floating_point() or w.device != device:
+                    raise ValueError(f"feature {f!r}: weights must be a float tensor shaped like values {tuple(v.shape)} on {device}, got {_describe(w)}")
+            elif self.pooled and self.is_weighted:
+                raise ValueError(f"feature {f!r}: no weights, but the collection is weighted (is_weighted=True)")
+            out_v.append(v.to(torch.int64))
+            out_l.append(ln)
+            out_w.append(w)
+        return _Batch(out_v, out_l, out_w, batch or 0)
+
+    # -- lookups -----------------------------------------------------------------------------
+
+    def _now(self) -> int:
+        if self.table_configs[0].score_strategy is ScoreStrategy.TIMESTAMP:
+            self._last_timestamp = max(time.time_ns(), self._last_timestamp + 1)
+            return self._last_timestamp
+        return self.step
+
+    def _lookup_group(self, group: _Group, batch: _Batch, failures: list) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Dedup, resolve and gather one group's ids. Returns embeddings [U, D] (fused-update
+        autograd when training), the inverse [N_g] of each id and the ids per feature."""
+        engine = self.engines[group.index]
+        device = engine.device
+        vals = [batch.values[j] for j in group.features]
+        totals = [v.numel() for v in vals]
+        values = torch.cat(vals) if len(vals) > 1 else vals[0]
+        if len(group.tables) == 1:
+            keys, inverse, counts = torch.unique(values, sorted=True, return_inverse=True, return_counts=True)
+            segs = torch.zeros_like(keys)
+        else:
+            seg_of_value = torch.repeat_interleave(
+                torch.tensor(group.feature_segments, device=device), torch.tensor(totals, device=device), output_size=values.numel()
+            )
+            (segs, keys), inverse, counts = unique_pairs(seg_of_value, values)
+        D = engine.embedding_dim
+        if self.training:
+            r = self._resolve_train(group, engine, keys, segs, counts)
+        else:
+            r = engine.resolve(keys, segs, train=False, now=None)
+        data = engine.gather(r.rows)
+        missing = (~r.ok).nonzero().squeeze(1)
+        if missing.numel():
+            if self.training:
+                fill = engine.init_embeddings(keys.index_select(0, missing), segs.index_select(0, missing))
+            else:
+                defaults = torch.tensor([self.table_configs[t].eval_default for t in group.tables], dtype=data.dtype, device=device)
+                fill = defaults.index_select(0, segs.index_select(0, missing))[:, None].expand(-1, D)
+            data[:, :D].index_copy_(0, missing, fill)
+        lookup = GroupLookup(self, group.index, keys, segs, r.rows, data, engine.version)
+        if self.training:
+            failures.extend(self._report(group, r))
+        if self.training and self.optimizer is not None and torch.is_grad_enabled():
+            trigger = torch.empty(0, device=device, requires_grad=True)
+            emb = FusedEmbeddings.apply(trigger, lookup, D)
+        else:
+            emb = data[:, :D]
+        return emb, inverse, totals
+
+    def _resolve_train(self, group: _Group, engine: GroupEngine, keys, segs, counts) -> GroupResolved:
+        insertable = None
+        admitting = [s for s, t in enumerate(group.tables) if self.admissions[t] is not None]
+        if admitting:
+            _, found = engine.index.find(keys, segments=segs)
+            insertable = torch.ones_like(found)
+            for s in admitting:
+                sel = (~found & (segs == s)).nonzero().squeeze(1)
+                if sel.numel():
+                    adm = self.admissions[group.tables[s]]
+                    insertable.index_copy_(0, sel, adm.admit(keys.index_select(0, sel), counts.index_select(0, sel), self.step))
+        r = engine.resolve(keys, segs, train=True, now=self._now(), counts=counts, insertable=insertable, evicted_contents=bool(self._evict_hooks))
+        for s in admitting:
+            self.admissions[group.tables[s]].forget(keys[r.inserted & (segs == s)])
+        return r
+
+    def _report(self, group: _Group, r: GroupResolved) -> list:
+        """Record failed and evicted keys per table and run evict hooks; returns the failures
+        that the tables' check modes raise or warn about."""
+        out = []
+        for s, t in enumerate(group.tables):
+            name = self.table_names[t]
+            failed = r.failed_keys[r.failed_segments == s] if r.failed_keys.numel() else r.failed_keys
+            evicted_sel = (r.evicted_segments == s).nonzero().squeeze(1) if r.evicted_keys.numel() else None
+            evicted = r.evicted_keys.index_select(0, evicted_sel) if evicted_sel is not None else r.evicted_keys
+            self.last_failed_keys[name] = failed
+            self.last_evicted_keys[name] = evicted
+            if r.evicted is not None and evicted.numel():
+                rows = {k: v.index_select(0, evicted_sel) for k, v in r.evicted.items()}
+                for fn in list(self._evict_hooks.values()):
+                    fn(name, evicted, rows)
+            if failed.numel() and self.table_configs[t].check_mode is not CheckMode.COUNT:
+                out.append((t, failed, int((r.segments == s).sum())))
+        return out
+
+    def _raise_failures(self, failures: list) -> None:
+        for t, failed, total in failures:
+            name = self.table_names[t]
+            engine, s, _ = self._engine_of(name)
+            message = (
+                f"table {name!r}: {failed.numel()} of {total} keys could not be inserted: both their buckets hold only keys used "
+                f"in this batch or scored higher (capacity={engine.index.segment_capacity(s)}). Increase its capacity, or set "
+                "check_mode='warn' or 'count'; failed keys get their initial value and are not trained."
+            )
+            if self.table_configs[t].check_mode is CheckMode.RAISE:
+                raise InsertionError(message + " The keys are on this exception's .failed_keys.", failed)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+    def _lookup(self, features):
+        batch = self._parse(features)
+        failures: list = []
+        with self._lock:
+            if self.training:
+                self.step += 1
+            looked = [self._lookup_group(group, batch, failures) for group in self._groups]
+        self._raise_failures(failures)
+        return batch, looked
+
+    def _apply_lookup_gradients(self, lookup: GroupLookup, grad_u, inverse, grad) -> None:
+        """Backward of one group's lookup: one fused step of its tables (or accumulate, deferred)."""
+        with self._lock:
+            engine = self.engines[lookup.group]
+            if grad_u is None:
+                grad_u = torch.zeros(lookup.keys.numel(), engine.embedding_dim, dtype=grad.dtype, device=grad.device).index_add_(0, inverse, grad)
+            if self.update == "deferred":
+                self._accumulate(lookup, grad_u)
+                return
+            engine.apply_gradients(
+                lookup.keys,
+                lookup.segments,
+                lookup.rows,
+                grad_u,
+                data=lookup.data,
+                version=lookup.version,
+                nonfinite=engine.configs[0].nonfinite_grads,
+            )
+
+    # -- deferred updates --------------------------------------------------------------------
+
+    def _init_deferred(self) -> None:
+        raise NotImplementedError("update='deferred' for collections lands with the deferred-update work")
+
+    def _accumulate(self, lookup: GroupLookup, grad_u: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    # -- direct access -----------------------------------------------------------------------
+
+    def find(self, table: str, keys) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embeddings of one table's keys without side effects: keys [*] -> values [*, D]
+        (eval_default where missing), found [*]."""
+        from dynemb.nn.module import as_ids
+
+        engine, s, t = self._engine_of(table)
+        keys = as_ids(keys, "keys", engine.device)
+        flat = keys.reshape(-1)
+        with self._lock:
+            rows, found = engine.index.find(flat, segments=torch.full_like(flat, s))
+            values = engine.gather(rows)[:, : engine.embedding_dim]
+        values.masked_fill_(~found[:, None], self.table_configs[t].eval_default)
+        return values.view(*keys.shape, engine.embedding_dim), found.view(keys.shape)
+
+    def export(self, table: str, chunk_size: int = 1 << 16):
+        """One table's keys with their rows, in chunks (see :meth:`DynamicTable.export`)."""
+        engine, s, _ = self._engine_of(table)
+        with self._lock:
+            version = engine.version
+            chunks = engine.export(s, chunk_size)
+        while True:
+            with self._lock:
+                if engine.version != version:
+                    raise RuntimeError("the table changed while export() was iterating; export again")
+                chunk = next(chunks, None)
+            if chunk is None:
+                return
+            yield chunk
+
+    def insert(self, table: str, keys, values: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
+        """Assign rows to one table's keys ([N] distinct), inserting missing ones; ``values``
+        [N, D] (embeddings) or [N, D+S] (whole rows). Returns found-after ([N] bool)."""
+        from dynemb.nn.module import as_ids
+
+        engine, s, t = self._engine_of(table)
+        flat = as_ids(keys, "keys", engine.device).reshape(-1)
+        n = flat.numel()
+        widths = (engine.embedding_dim, engine.width)
+        if not isinstance(values, torch.Tensor) or values.dim() != 2 or values.shape[0] != n or values.shape[1] not in widths:
+            shape = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
+            raise ValueError(f"values.shape={shape}: must be [{n}, {widths[0]}] or [{n}, {widths[1]}]")
+        unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+        if unique.numel() != n:
+            raise ValueError(f"keys has {n - unique.numel()} duplicate(s): insert assigns one value per key")
+        order = torch.empty_like(inverse).index_copy_(0, inverse, torch.arange(n, device=engine.device))
+        given = None if scores is None else as_ids(scores, "scores", engine.device).reshape(-1).index_select(0, order)
+        values = values.detach().to(device=engine.device, dtype=engine.dtype).index_select(0, order)
+        with self._lock, writable():
+            segs = torch.full_like(unique, s)
+            now = self._now()
+            r = engine.resolve(unique, segs, train=True, now=now, scores=given, evicted_contents=bool(self._evict_hooks), init_rows=values.shape[1] != engine.width)
+            ok = r.ok.nonzero().squeeze(1)
+            engine.store.scatter(r.rows.index_select(0, ok), values.index_select(0, ok))
+            failures = self._report(self._groups[self._table_group[t][0]], r)
+        self._raise_failures(failures)
+        return r.ok.index_select(0, inverse)
+
+    # -- torch.nn.Module behaviour -----------------------------------------------------------
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        first = self.table_configs[0]
+        probe = fn(torch.empty(0, dtype=first.dtype, device=first.device))
+        if isinstance(probe, torch.Tensor) and (probe.device != first.device or probe.dtype != first.dtype):
+            raise NotImplementedError("moving or converting a dynemb collection is not supported yet: build it on the target device and dtype")
+        return self
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_lock"] = None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        from dynemb.nn.collection_state import collection_state
+
+        for name, value in collection_state(self).items():
+            destination[prefix + name] = value
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        from dynemb.nn.collection_state import expected_entries, load_collection_state
+
+        expected = expected_entries(self)
+        present = {name: state_dict[prefix + name] for name in expected if prefix + name in state_dict}
+        missing = [prefix + name for name in expected if name not in present]
+        missing_keys.extend(missing)
+        if strict:
+            known = set(expected)
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix) :] not in known)
+        if missing:
+            error_msgs.append(f"{type(self).__name__} at '{prefix}': missing entries {missing}; the collection was not changed")
+            return
+        try:
+            with self._lock:
+                load_collection_state(self, present)
+        except ValueError as e:
+            error_msgs.append(f"{type(self).__name__} at '{prefix}': {e}; the collection was not changed")
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dim()}-D {value.dtype} tensor on {value.device}"
+    return type(value).__name__
+
+
+class DynamicEmbeddingBagCollection(_DynamicCollection):
+    """Pooled lookups of many features in tables of dynamic int64 keys: ``features -> {feature: [B, D]}``.
+
+    Args:
+        tables: one :class:`dynemb.TableConfig` per table, each with ``name``, ``feature_names``
+            (default: the name), ``embedding_dim``, ``capacity``, ``pooling`` (``sum`` | ``mean``)
+            and any other table option (score strategy, admission, initializer, check mode...).
+        optimizer: fused optimizer shared by every table (each keeps its own state and step
+            count), or ``None`` for frozen tables.
+        update: ``"fused"`` (default: rows update in backward) or ``"deferred"`` (gradients
+            accumulate until ``optimizer.step()``).
+        is_weighted: every feature comes with per-id weights (``sum`` pooling only).
+
+    ``forward(features)``: a KeyedJaggedTensor (duck-typed: ``keys()``, ``values()``,
+    ``lengths()``, ``weights_or_none()``) or a dict ``feature -> (values [N_f], lengths [B])``
+    (``(values, lengths, weights)`` when weighted) -> :class:`PooledEmbeddings`, a dict
+    ``feature -> [B, D_f]`` whose ``.concat`` is ``[B, sum D_f]`` in ``feature_names`` order.
+    Empty bags pool to zeros.
+
+    Example::
+
+        ebc = dynemb.DynamicEmbeddingBagCollection(
+            tables=[dynemb.TableConfig(name="user", feature_names=["user_id"], embedding_dim=16, capacity=1 << 16),
+                    dynemb.TableConfig(name="item", feature_names=["item_id", "last_item"], embedding_dim=16, capacity=1 << 16)],
+            optimizer=dynemb.optim.Adagrad(lr=0.05))
+        out = ebc({"user_id": (torch.tensor([7, -3]), torch.tensor([1, 1])),
+                   "item_id": (torch.tensor([2**40, 5, 5]), torch.tensor([2, 1])),
+                   "last_item": (torch.tensor([5]), torch.tensor([0, 1]))})
+        out["item_id"].shape, out.concat.shape        # [2, 16], [2, 48]
+    """
+
+    pooled = True
+
+    def __init__(self, tables: list[TableConfig], optimizer: RowOptimizer | None = None, *, update: str = "fused", is_weighted: bool = False):
+        self.is_weighted = bool(is_weighted)
+        super().__init__(tables, optimizer, update=update)
+        if self.is_weighted:
+            mean = [n for n, t in zip(self.table_names, tables) if t.pooling is PoolingMode.MEAN]
+            if mean:
+                raise ValueError(f"is_weighted=True: tables {mean} pool by 'mean'; weights need pooling='sum'")
+
+    def forward(self, features) -> PooledEmbeddings:
+        batch, looked = self._lookup(features)
+        B = batch.batch
+        pooled_of: list[torch.Tensor | None] = [None] * len(self.feature_names)
+        for group, (emb, inverse, _totals) in zip(self._groups, looked):
+            feats = group.features
+            lengths = torch.cat([batch.lengths[j] for j in feats]) if len(feats) > 1 else batch.lengths[feats[0]]  # [F_g * B]
+            offsets = torch.cumsum(lengths, 0) - lengths
+            weights = None
+            if self.is_weighted:
+                ws = [batch.weights[j] for j in feats]
+                weights = (torch.cat(ws) if len(ws) > 1 else ws[0]).to(emb.dtype)
+            pooled = F.embedding_bag(inverse, emb, offsets, mode="sum", per_sample_weights=weights)  # [F_g * B, D]
+            means = [self.table_configs[self._feature_table[j]].pooling is PoolingMode.MEAN for j in feats]
+            if any(means):
+                is_mean = torch.tensor(means, device=emb.device).repeat_interleave(B)
+                divisor = torch.where(is_mean, lengths.clamp(min=1), 1).to(pooled.dtype)
+                pooled = pooled / divisor[:, None]
+            for k, j in enumerate(feats):
+                pooled_of[j] = pooled[k * B : (k + 1) * B]
+        concat = torch.cat(pooled_of, dim=1) if len(pooled_of) > 1 else pooled_of[0]
+        return PooledEmbeddings(concat, self.feature_names, self.feature_dims)
+
+
+class DynamicEmbeddingCollection(_DynamicCollection):
+    """Sequence lookups of many features: ``features -> {feature: (values [N_f, D], lengths [B])}``.
+
+    Args:
+        tables, optimizer, update: as :class:`DynamicEmbeddingBagCollection` (``pooling`` is
+            not used).
+
+    ``forward(features)``: a KeyedJaggedTensor (duck-typed) or a dict ``feature -> (values
+    [N_f], lengths [B])`` -> dict ``feature -> (embeddings [N_f, D_f], lengths [B])``, one
+    embedding per id, in the input's order.
+    """
+
+    def forward(self, features) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        batch, looked = self._lookup(features)
+        out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        per_feature: list[torch.Tensor | None] = [None] * len(self.feature_names)
+        for group, (emb, inverse, totals) in zip(self._groups, looked):
+            rows = F.embedding(inverse, emb)  # [N_g, D]
+            for j, part in zip(group.features, torch.split(rows, totals)):
+                per_feature[j] = part
+        for j, f in enumerate(self.feature_names):
+            out[f] = (per_feature[j], batch.lengths[j])
+        return out
