@@ -15,6 +15,7 @@ batch, its features' gradients summed per key first. See docs/design/0011-collec
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 import warnings
@@ -135,7 +136,7 @@ class _DynamicCollection(torch.nn.Module):
         self.step = 0
         self._last_timestamp = 0
         self._lock = threading.RLock()
-        self._evict_hooks: dict[int, Callable] = {}
+        self._evict_hooks: collections.OrderedDict[int, Callable] = collections.OrderedDict()
         device = tables[0].device
         self.last_failed_keys = {n: torch.empty(0, dtype=torch.int64, device=device) for n in self.table_names}
         self.last_evicted_keys = {n: torch.empty(0, dtype=torch.int64, device=device) for n in self.table_names}
@@ -227,9 +228,12 @@ class _DynamicCollection(torch.nn.Module):
             if v.device != device or ln.device != device:
                 raise ValueError(f"feature {f!r}: values on {v.device}, lengths on {ln.device}; the tables live on {device}")
             if batch is None:
-                batch = ln.numel()
+                batch, first = ln.numel(), f
             elif ln.numel() != batch:
-                raise ValueError(f"feature {f!r}: {ln.numel()} lengths, but the batch has {batch} samples (variable batch sizes are not supported)")
+                raise ValueError(
+                    f"feature {f!r}: {ln.numel()} lengths, but feature {first!r} has {batch} (one length per sample; "
+                    "variable batch sizes are not supported)"
+                )
             ln = ln.to(torch.int64)
             if ln.numel() and bool((ln < 0).any()):
                 raise ValueError(f"feature {f!r}: lengths must be >= 0")

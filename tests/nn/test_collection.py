@@ -1,0 +1,339 @@
+"""Collections against separate single-table modules, PyTorch-style input errors, state_dict."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dynemb
+from dynemb import TableConfig
+from dynemb.table.index import unique_pairs
+from dynemb.table.segmented import SegmentedKeyIndex
+
+OPTIMIZERS = {
+    "sgd": lambda: dynemb.optim.SGD(lr=0.1),
+    "adagrad": lambda: dynemb.optim.Adagrad(lr=0.1),
+    "rowwise_adagrad": lambda: dynemb.optim.RowWiseAdagrad(lr=0.1),
+    "adam": lambda: dynemb.optim.Adam(lr=0.01),
+}
+B = 6
+# Table b is read by two features; table c has another dim (so its own group).
+TABLES = [
+    TableConfig(name="a", feature_names=["fa"], embedding_dim=8, capacity=1000, pooling="sum", score_strategy="step"),
+    TableConfig(name="b", feature_names=["fb", "fb2"], embedding_dim=8, capacity=500, pooling="mean", score_strategy="step"),
+    TableConfig(name="c", feature_names=["fc"], embedding_dim=4, capacity=300, pooling="sum", score_strategy="step"),
+]
+FEATURES = ["fa", "fb", "fb2", "fc"]
+TABLE_FEATURES = [("a", ["fa"]), ("b", ["fb", "fb2"]), ("c", ["fc"])]
+
+
+def batch(gen: torch.Generator, low: int = -20, high: int = 20, max_len: int = 4) -> dict:
+    out = {}
+    for f in FEATURES:
+        lengths = torch.randint(0, max_len, (B,), generator=gen)
+        out[f] = (torch.randint(low, high, (int(lengths.sum()),), generator=gen), lengths)
+    return out
+
+
+class FakeKJT:
+    """The duck-typed KeyedJaggedTensor surface the collections read."""
+
+    def __init__(self, features: dict, weights: dict | None = None, variable: bool = False):
+        self._keys = list(features)
+        self._values = torch.cat([v for v, _ in features.values()])
+        self._lengths = torch.cat([ln for _, ln in features.values()])
+        self._weights = None if weights is None else torch.cat([weights[f] for f in self._keys])
+        self._variable = variable
+
+    def keys(self):
+        return self._keys
+
+    def values(self):
+        return self._values
+
+    def lengths(self):
+        return self._lengths
+
+    def weights_or_none(self):
+        return self._weights
+
+    def variable_stride_per_key(self):
+        return self._variable
+
+
+def singles_for(tables, opt: str, bags: bool):
+    if bags:
+        return {t.name: dynemb.DynamicEmbeddingBag(t.embedding_dim, t.capacity, mode=t.pooling, optimizer=OPTIMIZERS[opt](), score_strategy="step") for t in tables}
+    return {t.name: dynemb.DynamicEmbedding(t.embedding_dim, t.capacity, optimizer=OPTIMIZERS[opt](), score_strategy="step") for t in tables}
+
+
+def weights_of(out_dim: int) -> torch.Tensor:
+    return torch.linspace(-1, 1, out_dim)
+
+
+def assert_same_tables(col, singles, keys=torch.arange(-20, 20)):
+    for name, table in singles.items():
+        v1, f1 = col.find(name, keys)
+        v2, f2 = table.find(keys)
+        assert torch.equal(f1, f2), name
+        torch.testing.assert_close(v1, v2)
+        rows1 = {k: r for c in col.export(name) for k, r in zip(c["keys"].tolist(), c["optimizer_state"])}
+        rows2 = {k: r for c in table.export() for k, r in zip(c["keys"].tolist(), c["optimizer_state"])}
+        assert rows1.keys() == rows2.keys()
+        for k in rows1:
+            torch.testing.assert_close(rows1[k], rows2[k])
+        assert col.stats()[name]["optimizer_step"] == table.stats()["optimizer_step"]
+        assert col.stats()[name]["size"] == table.stats()["size"]
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+def test_bag_collection_equals_single_tables(opt):
+    gen = torch.Generator().manual_seed(1)
+    col = dynemb.DynamicEmbeddingBagCollection(TABLES, OPTIMIZERS[opt]())
+    singles = singles_for(TABLES, opt, bags=True)
+    for _ in range(5):
+        feats = batch(gen)
+        out = col(feats)
+        assert list(out) == FEATURES and out.concat.shape == (B, 8 + 8 + 8 + 4)
+        w = weights_of(out.concat.shape[1])
+        (out.concat * w).sum().backward()
+        per_feature = {}
+        for name, fs in TABLE_FEATURES:
+            # A table read by two features: one lookup of both features' bags.
+            values = torch.cat([feats[f][0] for f in fs])
+            lengths = torch.cat([feats[f][1] for f in fs])
+            pooled = singles[name](values, torch.cumsum(lengths, 0) - lengths)
+            for k, f in enumerate(fs):
+                per_feature[f] = pooled[k * B : (k + 1) * B]
+        want = torch.cat([per_feature[f] for f in FEATURES], 1)
+        torch.testing.assert_close(out.concat.detach(), want.detach())
+        for f in FEATURES:
+            torch.testing.assert_close(out[f].detach(), per_feature[f].detach())
+        (want * w).sum().backward()
+    assert_same_tables(col, singles)
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+def test_sequence_collection_equals_single_tables(opt):
+    gen = torch.Generator().manual_seed(2)
+    col = dynemb.DynamicEmbeddingCollection(TABLES, OPTIMIZERS[opt]())
+    singles = singles_for(TABLES, opt, bags=False)
+    for _ in range(5):
+        feats = batch(gen)
+        out = col(FakeKJT(feats))
+        loss = sum((out[f][0] * weights_of(out[f][0].shape[1])).sum() * (j + 1) for j, f in enumerate(FEATURES))
+        loss.backward()
+        ref_loss = 0
+        for name, fs in TABLE_FEATURES:
+            values = torch.cat([feats[f][0] for f in fs])
+            emb = singles[name](values)
+            for f, part in zip(fs, torch.split(emb, [feats[f][0].numel() for f in fs])):
+                j = FEATURES.index(f)
+                torch.testing.assert_close(out[f][0].detach(), part.detach())
+                assert torch.equal(out[f][1], feats[f][1])
+                ref_loss = ref_loss + (part * weights_of(part.shape[1])).sum() * (j + 1)
+        ref_loss.backward()
+    assert_same_tables(col, singles)
+
+
+def test_shared_adam_table_steps_once_per_batch():
+    tables = [TableConfig(name="items", feature_names=["clicked", "viewed"], embedding_dim=4, capacity=256, pooling="sum", score_strategy="step")]
+    col = dynemb.DynamicEmbeddingBagCollection(tables, dynemb.optim.Adam(lr=0.05))
+    single = dynemb.DynamicEmbeddingBag(4, 256, mode="sum", optimizer=dynemb.optim.Adam(lr=0.05), score_strategy="step")
+    gen = torch.Generator().manual_seed(3)
+    for step in range(1, 4):
+        feats = {f: (torch.randint(0, 10, (8,), generator=gen), torch.full((4,), 2)) for f in ("clicked", "viewed")}
+        col(feats).concat.pow(2).sum().backward()
+        values = torch.cat([feats["clicked"][0], feats["viewed"][0]])
+        single(values, torch.arange(0, 16, 2)).view(2, 4, 4).transpose(0, 1).reshape(4, 8).pow(2).sum().backward()
+        assert col.stats()["items"]["optimizer_step"] == step == single.stats()["optimizer_step"]
+    keys = torch.arange(10)
+    torch.testing.assert_close(col.find("items", keys)[0], single.find(keys)[0])
+
+
+def test_equal_ids_in_different_tables_do_not_collide():
+    tables = [TableConfig(name=n, embedding_dim=4, capacity=64, initializer=dynemb.Initializer(kind="constant", value=0.0)) for n in ("x", "y")]
+    col = dynemb.DynamicEmbeddingCollection(tables, dynemb.optim.SGD(lr=1.0))
+    ids = torch.tensor([0, -1, -(2**63), 2**63 - 1])
+    out = col({"x": (ids, torch.tensor([4])), "y": (ids, torch.tensor([4]))})
+    (out["x"][0].sum() + 2 * out["y"][0].sum()).backward()
+    assert torch.equal(col.find("x", ids)[0], torch.full((4, 4), -1.0))
+    assert torch.equal(col.find("y", ids)[0], torch.full((4, 4), -2.0))
+    assert col.stats()["x"]["size"] == col.stats()["y"]["size"] == 4
+
+
+def test_each_table_keeps_its_capacity_and_eviction():
+    tables = [
+        TableConfig(name="small", embedding_dim=4, capacity=32, score_strategy="step", check_mode="count"),
+        TableConfig(name="big", embedding_dim=4, capacity=4096, score_strategy="step", check_mode="count"),
+    ]
+    col = dynemb.DynamicEmbeddingBagCollection(tables, dynemb.optim.SGD(lr=0.1))
+    evicted = {"small": 0, "big": 0}
+    col.register_evict_hook(lambda name, keys, rows: evicted.__setitem__(name, evicted[name] + keys.numel()))
+    for step in range(10):
+        ids = torch.arange(step * 100, step * 100 + 100)
+        col({"small": (ids, torch.full((10,), 10)), "big": (ids, torch.full((10,), 10))}).concat.sum().backward()
+    s = col.stats()
+    assert s["small"]["size"] <= s["small"]["capacity"] == 32
+    assert s["small"]["evictions"] > 0 and evicted["small"] == s["small"]["evictions"]
+    assert s["big"]["size"] == 1000 and s["big"]["evictions"] == 0 and evicted["big"] == 0
+    # Every key of the last batch is accounted for: in the table, or reported as failed.
+    ids = torch.arange(900, 1000)
+    found = col.find("small", ids)[1]
+    assert int(found.sum()) + col.last_failed_keys["small"].numel() == 100
+
+
+def test_segmented_index_matches_dict_model():
+    """Random (segment, key) upserts and erases against a dict per segment."""
+    gen = torch.Generator().manual_seed(4)
+    caps = [64, 200, 1000]
+    index = SegmentedKeyIndex(capacities=caps, bucket_capacity=8, score_strategy="step")
+    model = [dict() for _ in caps]
+    for step in range(1, 40):
+        segs = torch.randint(0, 3, (120,), generator=gen)
+        keys = torch.randint(-300, 300, (120,), generator=gen)
+        (us, uk), _, counts = unique_pairs(segs, keys)
+        r = index.upsert_unique(uk, counts, now=step, segments=us)
+        for s, k, ok in zip(us.tolist(), uk.tolist(), r.ok.tolist()):
+            if ok:
+                model[s][k] = True
+        for s, k in zip(r.evicted_segments.tolist(), r.evicted_keys.tolist()):
+            del model[s][k]
+        assert set(zip(r.failed_segments.tolist(), r.failed_keys.tolist())) == {(s, k) for s, k, ok in zip(us.tolist(), uk.tolist(), r.ok.tolist()) if not ok}
+        if step % 5 == 0:
+            es, ek = torch.randint(0, 3, (30,), generator=gen), torch.randint(-300, 300, (30,), generator=gen)
+            e = index.erase(ek, segments=es)
+            for s, k in zip(e.evicted_segments.tolist(), e.evicted_keys.tolist()):
+                del model[s][k]
+        sizes = index.segment_sizes().tolist()
+        for s, cap in enumerate(caps):
+            assert sizes[s] == len(model[s]) <= index.segment_capacity(s)
+            probe = torch.tensor(sorted(model[s]) or [0])
+            found = index.find(probe, segments=torch.full_like(probe, s))[1]
+            assert bool(found.all()) or not model[s]
+    stats = index.segment_stats()
+    assert stats[0]["evictions"] > 0 and stats[2]["evictions"] == 0
+
+
+def test_weighted_bags_equal_per_sample_weights():
+    tables = [TableConfig(name="t", feature_names=["f", "g"], embedding_dim=4, capacity=128)]
+    col = dynemb.DynamicEmbeddingBagCollection(tables, dynemb.optim.SGD(lr=0.5), is_weighted=True)
+    single = dynemb.DynamicEmbeddingBag(4, 128, mode="sum", optimizer=dynemb.optim.SGD(lr=0.5))
+    feats = {"f": (torch.tensor([1, 2, 3]), torch.tensor([2, 1])), "g": (torch.tensor([3, 9]), torch.tensor([0, 2]))}
+    weights = {"f": torch.tensor([0.5, 2.0, -1.0]), "g": torch.tensor([3.0, 0.25])}
+    out = col(FakeKJT(feats, weights))
+    out.concat.sum().backward()
+    ref = single(torch.tensor([1, 2, 3, 3, 9]), torch.tensor([0, 2, 3, 3]), per_sample_weights=torch.cat([weights["f"], weights["g"]]))
+    torch.testing.assert_close(out.concat.detach(), torch.cat([ref[:2], ref[2:]], 1).detach())
+    ref.sum().backward()
+    keys = torch.tensor([1, 2, 3, 9])
+    torch.testing.assert_close(col.find("t", keys)[0], single.find(keys)[0])
+
+
+def test_eval_does_not_insert_and_uses_eval_default():
+    tables = [TableConfig(name="t", embedding_dim=4, capacity=64, eval_default=0.5)]
+    col = dynemb.DynamicEmbeddingCollection(tables, dynemb.optim.SGD(lr=0.1)).eval()
+    out = col({"t": (torch.tensor([5, 6]), torch.tensor([2]))})
+    assert torch.equal(out["t"][0], torch.full((2, 4), 0.5)) and col.stats()["t"]["size"] == 0
+
+
+BAD_INPUTS = [
+    ("unknown", lambda f: {**f, "nope": (torch.tensor([1]), torch.ones(B, dtype=torch.int64))}, "nope"),
+    ("missing", lambda f: {k: v for k, v in f.items() if k != "fb"}, "fb"),
+    ("lengths", lambda f: {**f, "fc": (f["fc"][0], f["fc"][1] + 1)}, "fc"),
+    ("batch", lambda f: {**f, "fa": (f["fa"][0][:0], torch.zeros(B + 1, dtype=torch.int64))}, "fa"),
+    ("dtype", lambda f: {**f, "fb2": (f["fb2"][0].float(), f["fb2"][1])}, "fb2"),
+    ("weights", lambda f: {**f, "fa": (*f["fa"], torch.ones(f["fa"][0].numel()))}, "fa"),
+]
+
+
+@pytest.mark.parametrize("name,mutate,feature", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_names_the_feature_and_changes_nothing(name, mutate, feature):
+    col = dynemb.DynamicEmbeddingBagCollection(TABLES, dynemb.optim.SGD(lr=0.1))
+    gen = torch.Generator().manual_seed(5)
+    col(batch(gen)).concat.sum().backward()
+    before = {k: v.clone() for k, v in col.state_dict().items()}
+    with pytest.raises(ValueError, match=feature):
+        col(mutate(batch(gen)))
+    after = col.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_variable_batch_kjt_raises():
+    col = dynemb.DynamicEmbeddingBagCollection(TABLES, dynemb.optim.SGD(lr=0.1))
+    with pytest.raises(ValueError, match="variable-batch"):
+        col(FakeKJT(batch(torch.Generator().manual_seed(6)), variable=True))
+    assert all(s["size"] == 0 for s in col.stats().values())
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="'fa'"):
+        dynemb.DynamicEmbeddingBagCollection([TABLES[0], TableConfig(name="z", feature_names=["fa"], embedding_dim=8, capacity=8)])
+    with pytest.raises(ValueError, match="name"):
+        dynemb.DynamicEmbeddingBagCollection([TABLES[0], TableConfig(name="a", embedding_dim=8, capacity=8)])
+    with pytest.raises(ValueError, match="update"):
+        dynemb.DynamicEmbeddingBagCollection(TABLES, dynemb.optim.SGD(lr=0.1), update="later")
+    with pytest.raises(ValueError, match="pooling"):
+        dynemb.DynamicEmbeddingBagCollection(TABLES, dynemb.optim.SGD(lr=0.1), is_weighted=True)
+
+
+@pytest.mark.parametrize("opt", ["adam", "rowwise_adagrad"])
+def test_state_dict_restores_bitwise(opt, tmp_path):
+    gen = torch.Generator().manual_seed(7)
+    batches = [batch(gen, -200, 200, 8) for _ in range(12)]
+    tables = [TableConfig(**{**t.__dict__, "capacity": 64, "check_mode": "count"}) for t in TABLES]
+
+    def train(col, part):
+        for feats in part:
+            col(feats).concat.pow(2).sum().backward()
+
+    straight = dynemb.DynamicEmbeddingBagCollection(tables, OPTIMIZERS[opt]())
+    train(straight, batches)
+    first = dynemb.DynamicEmbeddingBagCollection(tables, OPTIMIZERS[opt]())
+    train(first, batches[:6])
+    assert first.stats()["b"]["evictions"] > 0
+    torch.save(first.state_dict(), tmp_path / "c.pt")
+    resumed = dynemb.DynamicEmbeddingBagCollection(tables, OPTIMIZERS[opt]())
+    resumed.load_state_dict(torch.load(tmp_path / "c.pt", weights_only=True))
+    train(resumed, batches[6:])
+    a, b = straight.state_dict(), resumed.state_dict()
+    for k in a:
+        if not k.endswith("last_timestamp"):
+            assert torch.equal(a[k], b[k]), k
+
+
+def test_state_dict_into_other_capacity_reinserts_or_refuses():
+    gen = torch.Generator().manual_seed(8)
+    col = dynemb.DynamicEmbeddingBagCollection(TABLES, dynemb.optim.Adagrad(lr=0.1))
+    for _ in range(3):
+        col(batch(gen)).concat.sum().backward()
+    state = col.state_dict()
+    bigger = dynemb.DynamicEmbeddingBagCollection([TableConfig(**{**t.__dict__, "capacity": 4 * t.capacity}) for t in TABLES], dynemb.optim.Adagrad(lr=0.1))
+    bigger.load_state_dict(state)
+    keys = torch.arange(-20, 20)
+    for name in ("a", "b", "c"):
+        torch.testing.assert_close(bigger.find(name, keys)[0], col.find(name, keys)[0])
+    tiny = dynemb.DynamicEmbeddingBagCollection([TableConfig(**{**t.__dict__, "capacity": 2, "bucket_capacity": 1}) for t in TABLES], dynemb.optim.Adagrad(lr=0.1))
+    with pytest.raises(RuntimeError, match="do not fit"):
+        tiny.load_state_dict(state)
+    assert all(s["size"] == 0 for s in tiny.stats().values())
+
+
+def test_nested_in_a_model_state_dict_round_trip():
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.sparse = dynemb.DynamicEmbeddingBagCollection(TABLES, dynemb.optim.SGD(lr=0.1))
+            self.dense = torch.nn.Linear(28, 1)
+
+        def forward(self, feats):
+            return self.dense(self.sparse(feats).concat)
+
+    gen = torch.Generator().manual_seed(9)
+    m = Model()
+    feats = batch(gen)
+    m(feats).sum().backward()
+    m2 = Model()
+    m2.load_state_dict(m.state_dict())
+    m.eval(), m2.eval()
+    torch.testing.assert_close(m(feats), m2(feats))
