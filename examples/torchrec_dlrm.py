@@ -130,9 +130,19 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             rate = step / (time.perf_counter() - start)
             print(f"step {step:5d}  train loss {mean:.4f}  {rate:6.1f} steps/s", flush=True)
     after = held_out()
-    sizes = {name: s["size"] for name, s in model.sparse_arch.embedding_bag_collection.stats().items()}
+    ebc = model.sparse_arch.embedding_bag_collection
+    sizes = {name: s["size"] for name, s in ebc.stats().items()}
+    special = all(bool(ebc.collection.find(f"t_{f}", SPECIAL.to(args.device))[1].all()) for f in FEATURES)
     print(f"held-out loss {before:.4f} -> {after:.4f} (planted signal {planted:.4f}); keys per table {sizes}")
-    return {"held_out_before": before, "held_out_after": after, "planted": planted, "first_train_loss": first, "last_train_loss": last}
+    print(f"ids 0, -1, int64 min and max trained in every table: {special}")
+    return {
+        "held_out_before": before,
+        "held_out_after": after,
+        "planted": planted,
+        "first_train_loss": first,
+        "last_train_loss": last,
+        "special_ids_trained": special,
+    }
 
 
 if __name__ == "__main__":

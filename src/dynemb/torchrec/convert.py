@@ -61,7 +61,8 @@ def convert(
     if id(model) in swapped:
         return swapped[id(model)]
     for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if id(child) in swapped:
+        # _modules, not named_children(): the latter yields a module held twice only once.
+        for name, child in list(parent._modules.items()):
+            if child is not None and id(child) in swapped:
                 setattr(parent, name, swapped[id(child)])
     return model
