@@ -10,7 +10,7 @@ Tables that share embedding dim, dtype, device, bucket width, score strategy and
 policy form a group, looked up and updated in one pass: one de-duplication of (table, key)
 pairs, one index call, one gather and one fused optimizer step per batch
 (:class:`dynemb.nn.group.GroupEngine`). A table read by several features takes one step per
-batch, its features' gradients summed per key first. See docs/design/0011-collections.md.
+batch, its features' gradients summed per key first. See docs/design/0013-collections.md.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ share embedding dim, optimizer, dtype, device, bucket width, score strategy and 
 policy: one :class:`dynemb.table.segmented.SegmentedKeyIndex` (each table a segment with its
 own capacity, scores and eviction), one row store, one fused optimizer step per call, and per
 table its initialiser and step count. Like the table engine it applies no policy, takes the
-clock as an argument and holds no lock (docs/design/0011-collections.md).
+clock as an argument and holds no lock (docs/design/0013-collections.md).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ segment at once. Equal keys in different segments are different entries.
 
 Segments do not grow: every segment is allocated at its full capacity (26 bytes per slot; rows
 live in the store and are still handed out on demand by the shared free list). See
-docs/design/0011-collections.md.
+docs/design/0013-collections.md.
 """
 
 from __future__ import annotations
