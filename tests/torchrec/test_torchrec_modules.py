@@ -175,7 +175,7 @@ def test_ebc_trains_as_the_native_collection():
         EmbeddingBagConfig(name="t2", embedding_dim=3, num_embeddings=64, feature_names=["c"], pooling=PoolingType.MEAN),
     ]
     ebc = dynemb.torchrec.EmbeddingBagCollection(tables, optimizer=dynemb.optim.Adagrad(lr=0.3))
-    native = dynemb.DynamicEmbeddingBagCollection(_native_configs(tables, pooled=True), dynemb.optim.Adagrad(lr=0.3))
+    native = dynemb.nn.DynamicEmbeddingBagCollection(_native_configs(tables, pooled=True), dynemb.optim.Adagrad(lr=0.3))
     target = torch.randn(6, 11, generator=torch.Generator().manual_seed(0))
     for step in range(4):
         features = kjt(FEATURES, batch=6, vocab=keys, seed=10 + step)
@@ -189,7 +189,7 @@ def test_ebc_trains_as_the_native_collection():
 def test_ec_trains_as_the_native_collection():
     keys = ids(50, seed=11)
     ec = dynemb.torchrec.EmbeddingCollection(seq_tables(), optimizer=dynemb.optim.SGD(lr=0.5))
-    native = dynemb.DynamicEmbeddingCollection(_native_configs(seq_tables(), pooled=False), dynemb.optim.SGD(lr=0.5))
+    native = dynemb.nn.DynamicEmbeddingCollection(_native_configs(seq_tables(), pooled=False), dynemb.optim.SGD(lr=0.5))
     for step in range(4):
         features = kjt(FEATURES, batch=6, vocab=keys, seed=20 + step)
         ours, ref = ec(features), native(features)

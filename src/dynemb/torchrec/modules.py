@@ -12,8 +12,8 @@ from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from torchrec.sparse.tensor_dict import maybe_td_to_kjt
 
-import dynemb
 import torchrec
+from dynemb.nn import DynamicEmbeddingBagCollection, DynamicEmbeddingCollection
 from dynemb.torchrec.configs import check_options, table_config
 
 _META = torch.device("meta")
@@ -128,7 +128,7 @@ class EmbeddingBagCollection(torchrec.EmbeddingBagCollection):
         names = get_embedding_names_by_table(tables)
         opts = check_options(options, [t.name for t in tables])
         configs = [table_config(t, n, opts.get(t.name, {}), device) for t, n in zip(tables, names)]
-        self.collection = dynemb.DynamicEmbeddingBagCollection(configs, optimizer, update=update, is_weighted=is_weighted)
+        self.collection = DynamicEmbeddingBagCollection(configs, optimizer, update=update, is_weighted=is_weighted)
         if list(self.collection.feature_names) != self._embedding_names:
             raise RuntimeError(f"dynemb collection orders features {list(self.collection.feature_names)}, TorchRec {self._embedding_names}")
         self._device = configs[0].device if configs else (device or torch.device("cpu"))
@@ -183,7 +183,7 @@ class EmbeddingCollection(torchrec.EmbeddingCollection):
         opts = check_options(options, [t.name for t in tables])
         names = self._embedding_names_by_table
         configs = [table_config(t, n, opts.get(t.name, {}), device) for t, n in zip(tables, names)]
-        self.collection = dynemb.DynamicEmbeddingCollection(configs, optimizer, update=update)
+        self.collection = DynamicEmbeddingCollection(configs, optimizer, update=update)
         flat = [n for ns in names for n in ns]
         if list(self.collection.feature_names) != flat:
             raise RuntimeError(f"dynemb collection orders features {list(self.collection.feature_names)}, TorchRec {flat}")
