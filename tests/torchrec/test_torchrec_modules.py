@@ -334,3 +334,11 @@ def test_data_type_and_init_bounds():
 def test_none_pooling_raises():
     with pytest.raises(ValueError, match="[Pp]ooling"):
         dynemb.torchrec.EmbeddingBagCollection([EmbeddingBagConfig(name="n", embedding_dim=4, num_embeddings=8, feature_names=["f"], pooling=PoolingType.NONE)])
+
+
+def test_kjt_given_by_offsets():
+    keys = ids(20, seed=14)
+    ebc = dynemb.torchrec.EmbeddingBagCollection(bag_tables())
+    by_lengths = kjt(FEATURES, batch=4, vocab=keys, seed=15)
+    by_offsets = KeyedJaggedTensor.from_offsets_sync(keys=FEATURES, values=by_lengths.values(), offsets=by_lengths.offsets())
+    torch.testing.assert_close(ebc(by_offsets).values(), ebc(by_lengths).values())
