@@ -21,6 +21,7 @@ PUBLIC = {
     "PoolingMode",
     "ScoreStrategy",
     "TableConfig",
+    "clip_grad_norm_",
     "optim",
 }
 

@@ -4,6 +4,7 @@ from dynemb import optim
 from dynemb.config import Admission, Initializer, TableConfig
 from dynemb.errors import InsertionError
 from dynemb.nn import DynamicEmbedding, DynamicEmbeddingBag, DynamicTable
+from dynemb.nn.deferred import clip_grad_norm_
 from dynemb.table.index import KeyIndex
 from dynemb.types import CheckMode, InitKind, NonFiniteGrads, PoolingMode, ScoreStrategy
 
@@ -23,5 +24,6 @@ __all__ = [
     "PoolingMode",
     "ScoreStrategy",
     "TableConfig",
+    "clip_grad_norm_",
     "optim",
 ]

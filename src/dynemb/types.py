@@ -118,3 +118,17 @@ class NonFiniteGrads(_StrEnum):
     SKIP = "skip"
     RAISE = "raise"
     APPLY = "apply"
+
+
+class UpdateMode(_StrEnum):
+    """When a table's optimizer changes its rows (docs/design/0011-deferred-updates.md).
+
+    * ``fused``: backward applies one optimizer step per lookup at once (default).
+    * ``deferred``: backward sums the gradient per key across backward calls; the table's
+      ``dynemb.optim`` optimizer applies one step with the sum at ``optimizer.step()``, and
+      ``optimizer.zero_grad()`` drops it. Gradient accumulation, clipping
+      (:func:`dynemb.clip_grad_norm_`) and ``torch.amp.GradScaler`` work as for dense parameters.
+    """
+
+    FUSED = "fused"
+    DEFERRED = "deferred"

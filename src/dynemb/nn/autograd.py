@@ -1,5 +1,6 @@
 """Autograd glue of the fused update: identity-like Functions whose backward hands the per-key
-gradient to the table (which runs the optimizer through the functional layer).
+gradient to the table (which runs the optimizer through the functional layer, or accumulates
+the gradient for ``optimizer.step()`` when the table's updates are deferred).
 
 N ids, U unique keys, D embedding dim.
 """
@@ -13,19 +14,22 @@ class Lookup:
     """What one training forward hands its backward: the table, the unique keys [U], their rows
     [U] (-1 where not in the table), the gathered rows [U, D+S] and the engine version then.
 
-    A lookup's gradient is applied once: the fused update changes the table, so a second backward
-    through the same graph (``retain_graph=True``) raises instead of applying the optimizer twice.
+    A fused lookup's gradient is applied once: the fused update changes the table, so a second
+    backward through the same graph (``retain_graph=True``) raises instead of applying the
+    optimizer twice. A deferred lookup (``repeatable=True``) only accumulates its gradient, so a
+    second backward adds it again, as for a dense parameter's ``.grad``.
     """
 
-    __slots__ = ("applied", "data", "keys", "rows", "table", "version")
+    __slots__ = ("applied", "data", "keys", "repeatable", "rows", "table", "version")
 
-    def __init__(self, table, keys: torch.Tensor, rows: torch.Tensor, data: torch.Tensor, version: int):
+    def __init__(self, table, keys: torch.Tensor, rows: torch.Tensor, data: torch.Tensor, version: int, repeatable: bool = False):
         self.table, self.keys, self.rows, self.data, self.version = table, keys, rows, data, version
         self.applied = False
+        self.repeatable = repeatable
 
     def apply(self, grad_u: torch.Tensor | None = None, inverse: torch.Tensor | None = None, grad: torch.Tensor | None = None) -> None:
         """Apply grad_u [U, D], or sum grad [N, D] per key by inverse [N] first."""
-        if self.applied:
+        if self.applied and not self.repeatable:
             raise RuntimeError(
                 "backward ran twice through one dynemb lookup: its fused optimizer update was already applied to "
                 "the table by the first backward (retain_graph=True does not make a fused update repeatable). "

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from dynemb.config import TableConfig
 from dynemb.nn.module import DynamicTable, as_ids
 from dynemb.optim.base import RowOptimizer
-from dynemb.types import PoolingMode
+from dynemb.types import PoolingMode, UpdateMode
 
 
 def _config(embedding_dim, capacity, kwargs) -> TableConfig:
@@ -27,8 +27,11 @@ class DynamicEmbedding(DynamicTable):
     Args:
         embedding_dim: D.
         capacity: most keys held on this device.
-        optimizer: fused optimizer (``dynemb.optim.SGD / Adagrad / RowWiseAdagrad / Adam``),
-            applied in backward; ``None`` for a frozen table.
+        optimizer: row-wise optimizer (``dynemb.optim.SGD / Adagrad / RowWiseAdagrad / Adam``);
+            ``None`` for a frozen table.
+        update: ``"fused"`` (default: backward applies the optimizer) or ``"deferred"``
+            (backward accumulates the gradient per key; ``optimizer.step()`` applies it,
+            ``optimizer.zero_grad()`` drops it), see :class:`dynemb.types.UpdateMode`.
         **options: any other :class:`dynemb.TableConfig` field (``init_capacity``,
             ``score_strategy``, ``check_mode``, ``initializer``, ``admission``, ``eval_default``,
             ``seed``, ``bucket_capacity``, ``max_load_factor``, ``dtype``, ``device``).
@@ -41,8 +44,17 @@ class DynamicEmbedding(DynamicTable):
         out.sum().backward()                               # rows of 3, -7, 2**62 updated
     """
 
-    def __init__(self, embedding_dim: int, capacity: int, *, optimizer: RowOptimizer | None = None, store=None, **options):
-        super().__init__(_config(embedding_dim, capacity, options), optimizer, store)
+    def __init__(
+        self,
+        embedding_dim: int,
+        capacity: int,
+        *,
+        optimizer: RowOptimizer | None = None,
+        store=None,
+        update: UpdateMode | str = UpdateMode.FUSED,
+        **options,
+    ):
+        super().__init__(_config(embedding_dim, capacity, options), optimizer, store, update=update)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (Tensor[int64]): [*] -> Tensor [*, D]."""
@@ -53,7 +65,7 @@ class DynamicEmbeddingBag(DynamicTable):
     """Pooled embedding table for arbitrary int64 ids, with torch.nn.EmbeddingBag conventions.
 
     Args:
-        embedding_dim, capacity, optimizer, **options: as :class:`DynamicEmbedding`.
+        embedding_dim, capacity, optimizer, update, **options: as :class:`DynamicEmbedding`.
         mode: ``"sum"`` or ``"mean"``.
         include_last_offset: offsets has B+1 entries, the last being N.
 
@@ -71,12 +83,13 @@ class DynamicEmbeddingBag(DynamicTable):
         include_last_offset: bool = False,
         optimizer: RowOptimizer | None = None,
         store=None,
+        update: UpdateMode | str = UpdateMode.FUSED,
         **options,
     ):
         mode = PoolingMode.parse(mode, "mode")
         if mode is PoolingMode.NONE:
             raise ValueError("mode='none': use dynemb.DynamicEmbedding for one vector per id")
-        super().__init__(_config(embedding_dim, capacity, options), optimizer, store)
+        super().__init__(_config(embedding_dim, capacity, options), optimizer, store, update=update)
         self.mode = mode
         self.include_last_offset = bool(include_last_offset)
 

@@ -1,12 +1,14 @@
 """DynamicTable: the torch module around one table engine, and the table's policy.
 
 N ids in a batch, U unique ids, E keys leaving, D embedding dim, S optimizer state columns,
-K keys held.
+K keys held, P keys with a pending (deferred) gradient.
 
 Forward: de-duplicate ids -> resolve (insert in training, subject to admission) -> gather rows
 [U, D+S] -> embeddings [U, D], which torch's own embedding / embedding_bag expand and pool.
 Backward: torch reduces the output gradient to one [U, D] gradient per unique key; the engine's
-fused optimizer updates those rows. This layer owns the policy: check mode, admission, eval
+fused optimizer updates those rows (``update="fused"``), or the table adds it to its pending
+gradient [P, D], applied at ``optimizer.step()`` (``update="deferred"``, see
+docs/design/0011-deferred-updates.md). This layer owns the policy: check mode, admission, eval
 defaults, reporting of keys that fail or leave (``last_failed_keys``, ``last_evicted_keys``,
 evict hooks), the clock, thread safety (one lock per table) and the state_dict.
 """
@@ -27,11 +29,12 @@ from dynemb.config import _DTYPES, TableConfig, resolve_device
 from dynemb.errors import InsertionError
 from dynemb.nn.admission import FrequencyAdmission
 from dynemb.nn.autograd import FusedEmbeddings, FusedSequence, Lookup
+from dynemb.nn.deferred import GradAccumulator
 from dynemb.nn.functional import Resolved, TableEngine
 from dynemb.optim.base import RowOptimizer
 from dynemb.storage.base import RowStore
 from dynemb.table.index import check_keys
-from dynemb.types import CheckMode, ScoreStrategy
+from dynemb.types import CheckMode, ScoreStrategy, UpdateMode
 from dynemb.workspace import Workspace, writable
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -60,10 +63,14 @@ class DynamicTable(torch.nn.Module):
 
     Args:
         config: the table's :class:`dynemb.TableConfig`.
-        optimizer: fused optimizer applied in backward; ``None`` makes the table frozen (its
+        optimizer: row-wise optimizer (``dynemb.optim``); ``None`` makes the table frozen (its
             outputs do not require grad).
         store: optional row store (a :class:`dynemb.storage.base.RowStore`); default: rows in
             one tensor on ``config.device``.
+        update: ``"fused"`` (default): each backward applies one optimizer step at once;
+            ``"deferred"``: backward sums the gradient per key, ``optimizer.step()`` applies one
+            step with the sum and ``optimizer.zero_grad()`` drops it (needs an optimizer). See
+            :class:`dynemb.types.UpdateMode`.
 
     Training-mode lookups insert missing keys (subject to admission); eval-mode lookups never
     insert and give ``eval_default`` for missing keys. As with BatchNorm's running statistics,
@@ -76,10 +83,20 @@ class DynamicTable(torch.nn.Module):
     them (docs/design/0008-threading.md).
     """
 
-    def __init__(self, config: TableConfig, optimizer: RowOptimizer | None = None, store: RowStore | None = None):
+    def __init__(
+        self,
+        config: TableConfig,
+        optimizer: RowOptimizer | None = None,
+        store: RowStore | None = None,
+        *,
+        update: UpdateMode | str = UpdateMode.FUSED,
+    ):
         super().__init__()
         if optimizer is not None and not isinstance(optimizer, RowOptimizer):
             raise TypeError(f"optimizer={optimizer!r}: must be a dynemb.optim optimizer (SGD, Adagrad, RowWiseAdagrad, Adam) or None")
+        self.update_mode = UpdateMode.parse(update, "update")
+        if self.update_mode is UpdateMode.DEFERRED and optimizer is None:
+            raise ValueError("update='deferred' needs an optimizer: optimizer.step() applies the accumulated gradient")
         self.engine = TableEngine(config, optimizer, store)
         self.admission = FrequencyAdmission(config.admission, config.device) if config.admission else None
         self.embedding_dim = config.embedding_dim
@@ -93,6 +110,11 @@ class DynamicTable(torch.nn.Module):
         self._erased = 0
         self.last_failed_keys = torch.empty(0, dtype=torch.int64, device=config.device)
         self.last_evicted_keys = torch.empty(0, dtype=torch.int64, device=config.device)
+        # The pending gradient of a deferred table (None when fused); registered with the optimizer.
+        self._pending: GradAccumulator | None = None
+        if self.update_mode is UpdateMode.DEFERRED:
+            self._pending = GradAccumulator(config.embedding_dim, config.dtype, config.device)
+            optimizer.register_deferred(self, self._pending.param)
 
     @property
     def config(self) -> TableConfig:
@@ -122,7 +144,7 @@ class DynamicTable(torch.nn.Module):
         c = self.config
         return (
             f"embedding_dim={c.embedding_dim}, capacity={self.index.capacity()}, "
-            f"score_strategy='{c.score_strategy}', optimizer={self.optimizer!r}, device='{c.device}'"
+            f"score_strategy='{c.score_strategy}', optimizer={self.optimizer!r}, update='{self.update_mode}', device='{c.device}'"
         )
 
     def set_score(self, score: int) -> None:
@@ -238,7 +260,7 @@ class DynamicTable(torch.nn.Module):
                 else:
                     fill = torch.full((missing.numel(), D), self.config.eval_default, dtype=data.dtype, device=self.device)
                 data[:, :D].index_copy_(0, missing, fill)
-            lookup = Lookup(self, keys, r.rows, data, self.engine.version)
+            lookup = Lookup(self, keys, r.rows, data, self.engine.version, repeatable=self._pending is not None)
             if self.training:
                 self._report(r.failed_keys, r.evicted_keys, r.evicted, keys.numel())
         return lookup, inverse.view(ids.shape)
@@ -270,13 +292,17 @@ class DynamicTable(torch.nn.Module):
         return F.embedding(inverse, lookup.data[:, : self.embedding_dim])
 
     def _apply_lookup_gradients(self, lookup: Lookup, grad_u, inverse, grad) -> None:
-        """Backward of one lookup: sum per key if needed, then one fused optimizer step."""
+        """Backward of one lookup: sum per key if needed, then one fused optimizer step (or add
+        to the pending gradient when deferred)."""
         with self._lock:
             if grad_u is None:
                 # Summed into a buffer kept between steps (a fresh [U, D] page-faults on CPU); the
-                # engine consumes it before the lock is released.
+                # engine (or the accumulator) consumes it before the lock is released.
                 buf = self._workspace.get("grad", lookup.keys.numel(), (self.embedding_dim,), grad.dtype)
                 grad_u = buf.zero_().index_add_(0, inverse, grad)
+            if self._pending is not None:
+                self._accumulate(lookup, grad_u)
+                return
             self.engine.apply_gradients(
                 lookup.keys,
                 lookup.rows,
@@ -285,6 +311,51 @@ class DynamicTable(torch.nn.Module):
                 version=lookup.version,
                 nonfinite=self.config.nonfinite_grads,
             )
+
+    # -- deferred updates (the DeferredOwner protocol of dynemb.optim.base) -----------------
+
+    def _accumulate(self, lookup: Lookup, grad_u: torch.Tensor) -> None:
+        """Add a lookup's per-key gradient [U, D] to the pending one (under the lock)."""
+        keys = lookup.keys
+        ok = lookup.rows >= 0
+        # Keys that were not in the table at the lookup (not admitted, failed) are not trained,
+        # as with the fused update; one host sync, as the fused update's.
+        if not bool(ok.all()):
+            sel = ok.nonzero().squeeze(1)
+            keys, grad_u = keys.index_select(0, sel), grad_u.index_select(0, sel)
+        self._pending.add(keys, grad_u)
+
+    def _deferred_apply(self) -> None:
+        """One optimizer step on the rows of the pending keys with their summed gradient, then
+        clear it; keys evicted or erased since their lookup are skipped. Nothing (not even a step
+        count) when nothing is pending. Called by ``optimizer.step()``."""
+        with self._lock:
+            if self._pending is None or not len(self._pending):
+                return
+            keys, grad = self._pending.keys, self._pending.grad
+            rows, _ = self.index.find(keys)
+            # Raises before any row changes with nonfinite_grads="raise": the gradient stays pending.
+            self.engine.apply_gradients(keys, rows, grad, nonfinite=self.config.nonfinite_grads)
+            self._pending.clear()
+
+    def _deferred_clear(self) -> None:
+        """Drop the pending gradient. Called by ``optimizer.zero_grad()``."""
+        with self._lock:
+            if self._pending is not None:
+                self._pending.clear()
+
+    def _deferred_grad(self) -> torch.Tensor | None:
+        """The pending gradient [P, D] (the live tensor: scaling it in place scales the next
+        step), or None for a fused table."""
+        with self._lock:
+            return None if self._pending is None else self._pending.grad
+
+    def pending_keys(self) -> torch.Tensor:
+        """Tensor[int64]: [P] keys with a pending (deferred) gradient, sorted; empty when fused."""
+        with self._lock:
+            if self._pending is None:
+                return torch.empty(0, dtype=torch.int64, device=self.device)
+            return self._pending.keys.clone()
 
     # -- direct access -----------------------------------------------------------------------
 
@@ -410,7 +481,8 @@ class DynamicTable(torch.nn.Module):
     def stats(self) -> dict[str, int | float]:
         """size, capacity (real, after rounding), requested_capacity, current_capacity,
         load_factor, inserts, evictions, erased, failed_inserts, admission_rejections, growths,
-        nonfinite_grads, step, optimizer_step, scratch_bytes."""
+        nonfinite_grads, step, optimizer_step, pending_grad_keys (deferred: keys whose gradient
+        waits for ``optimizer.step()``), scratch_bytes."""
         with self._lock:
             s = self.index.stats()
             s["requested_capacity"] = self.config.capacity
@@ -419,7 +491,9 @@ class DynamicTable(torch.nn.Module):
             s["nonfinite_grads"] = self.engine.nonfinite_grads
             s["step"] = self.step
             s["optimizer_step"] = self.engine.optimizer_step
-            s["scratch_bytes"] = self._workspace.nbytes() + self.engine._workspace.nbytes()
+            s["pending_grad_keys"] = len(self._pending) if self._pending is not None else 0
+            pending_bytes = self._pending.nbytes() if self._pending is not None else 0
+            s["scratch_bytes"] = self._workspace.nbytes() + self.engine._workspace.nbytes() + pending_bytes
         return s
 
     # -- torch.nn.Module behaviour -----------------------------------------------------------
@@ -439,6 +513,8 @@ class DynamicTable(torch.nn.Module):
                 if self.admission is not None:
                     self.admission.to(device)
                 self._workspace.to(device)
+                if self._pending is not None:
+                    self._pending.to(device, dtype)
                 self.last_failed_keys = self.last_failed_keys.to(device)
                 self.last_evicted_keys = self.last_evicted_keys.to(device)
         return self
@@ -449,8 +525,14 @@ class DynamicTable(torch.nn.Module):
         return state
 
     def __setstate__(self, state):
+        state.setdefault("_pending", None)
+        state.setdefault("update_mode", UpdateMode.FUSED)
         self.__dict__.update(state)
         self._lock = threading.RLock()
+        # A copy (deepcopy, pickle) registers with its optimizer (a copy's forgets the original's
+        # tables; a shared one ignores a second registration).
+        if self._pending is not None:
+            self.optimizer.register_deferred(self, self._pending.param)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -502,8 +584,11 @@ class DynamicTable(torch.nn.Module):
 
     def load_table_state(self, state: dict[str, torch.Tensor]) -> None:
         """Restore the table from :meth:`table_state` entries; validates everything first and
-        raises ValueError (naming the entry) without changing the table on any problem."""
+        raises ValueError (naming the entry) without changing the table on any problem. A
+        deferred table's pending gradient (computed against the old rows) is dropped."""
         from dynemb.nn.state import load_table_state
 
         with self._lock:
             load_table_state(self, state)
+            if self._pending is not None:
+                self._pending.clear()

@@ -1,8 +1,27 @@
-"""Contract of a fused row-wise optimizer.
+"""Contract of a row-wise optimizer, and of the deferred owners it steps.
 
-U rows updated in a call (one per unique key, gradients already summed per key), D embedding
-dim, S state columns per row. A row stores ``[embedding (D) | state (S)]``; the optimizer defines
-S and the meaning of its state columns.
+U rows updated in a call (one per unique key, gradients already summed per key), P keys with a
+pending (deferred) gradient, D embedding dim, S state columns per row. A row stores
+``[embedding (D) | state (S)]``; the optimizer defines S and the meaning of its state columns.
+
+Fused tables apply :meth:`RowOptimizer.update` in backward. Deferred ones (``update="deferred"``,
+docs/design/0011-deferred-updates.md) only accumulate the gradient in backward and register with
+their optimizer as a *deferred owner*, an object with three methods (:class:`DeferredOwner`):
+
+* ``_deferred_apply()``: apply one optimizer step to its rows with the pending gradient and
+  clear it (nothing at all when nothing is pending); called by ``optimizer.step()``.
+* ``_deferred_clear()``: drop the pending gradient without applying it; called by
+  ``optimizer.zero_grad()``.
+* ``_deferred_grad() -> Tensor | None``: the pending gradient [P, D] itself (not a copy), so
+  in-place scaling (clipping, ``GradScaler.unscale_``) changes what ``_deferred_apply`` applies;
+  ``None`` when the object does not defer (a fused table).
+
+An owner registers with :meth:`RowOptimizer.register_deferred` together with a placeholder
+``torch.nn.Parameter`` of shape [P, D] (zero-stride: no memory) whose ``.grad`` it keeps equal
+to its pending gradient. The placeholders are ``param_groups[0]["params"]``, which is where
+``torch.amp.GradScaler`` and ``torch.nn.utils.clip_grad_norm_`` look for gradients. The optimizer
+holds owners by weak reference: a table that is garbage collected leaves the registry and its
+placeholder leaves ``param_groups``.
 """
 
 from __future__ import annotations
@@ -10,9 +29,10 @@ from __future__ import annotations
 import abc
 import copy
 import math
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -59,15 +79,30 @@ class HyperParameter:
             raise ValueError(f"{type(optimizer).__name__}.{self.name}={value!r}: {e}") from None
 
 
-class RowOptimizer(torch.optim.Optimizer, abc.ABC):
-    """Hyper-parameters of a fused optimizer and its update rule.
+@runtime_checkable
+class DeferredOwner(Protocol):
+    """What a :class:`RowOptimizer` calls on the objects (tables, collections) that defer their
+    updates to ``step()``; see the module docstring."""
 
-    The tables apply ``update`` in backward. For torch's tooling this is a ``torch.optim.Optimizer``
-    with one parameter group and no parameters: ``param_groups[0]`` holds every hyper-parameter
-    (``opt.lr`` reads and writes ``param_groups[0]["lr"]``), so ``torch.optim.lr_scheduler``
-    schedulers drive it. ``lr`` (and the other hyper-parameters) may be changed between steps; the
-    next backward uses the new value. One optimizer object may serve several tables: they share
-    its hyper-parameters, while each table keeps its own step count and per-row state.
+    def _deferred_apply(self) -> None: ...
+
+    def _deferred_clear(self) -> None: ...
+
+    def _deferred_grad(self) -> torch.Tensor | None: ...
+
+
+class RowOptimizer(torch.optim.Optimizer, abc.ABC):
+    """Hyper-parameters of a row-wise optimizer and its update rule.
+
+    Fused tables apply ``update`` in backward; deferred tables (``update="deferred"``) at
+    :meth:`step`. For torch's tooling this is a ``torch.optim.Optimizer`` with one parameter
+    group: ``param_groups[0]`` holds every hyper-parameter (``opt.lr`` reads and writes
+    ``param_groups[0]["lr"]``), so ``torch.optim.lr_scheduler`` schedulers drive it, and its
+    ``params`` hold one placeholder per deferred table (none for fused tables) whose ``.grad`` is
+    the table's pending gradient, so ``torch.amp.GradScaler`` and gradient clipping see it.
+    ``lr`` (and the other hyper-parameters) may be changed between steps; the next update uses
+    the new value. One optimizer object may serve several tables: they share its
+    hyper-parameters, while each table keeps its own step count and per-row state.
 
     Args:
         **hyper_parameters: initial value of each hyper-parameter, each declared on the class as a
@@ -86,9 +121,60 @@ class RowOptimizer(torch.optim.Optimizer, abc.ABC):
         # torch.optim.Optimizer.__init__ refuses an empty parameter list. Its __setstate__ is the
         # path that builds an optimizer without __init__ (unpickling): it creates the hook tables
         # and wraps step() so step hooks fire, which is what its methods and the schedulers need.
-        torch.optim.Optimizer.__setstate__(
-            self, {"defaults": defaults, "state": defaultdict(dict), "param_groups": [{"params": [], **defaults}]}
-        )
+        self.__setstate__({"defaults": defaults, "state": defaultdict(dict), "param_groups": [{"params": [], **defaults}]})
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (deepcopy, pickle) serves no table yet: tables register again when copied.
+        groups = [{**group, "params": []} for group in self.param_groups]
+        return {"defaults": self.defaults, "state": self.state, "param_groups": groups}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        torch.optim.Optimizer.__setstate__(self, state)
+        # (weak reference to the owner, its placeholder parameter), in registration order.
+        self._owners: list[tuple[weakref.ref, torch.nn.Parameter]] = []
+
+    # -- deferred owners ---------------------------------------------------------------------
+
+    def register_deferred(self, owner: DeferredOwner, placeholder: torch.nn.Parameter) -> None:
+        """Have :meth:`step` / :meth:`zero_grad` apply / clear ``owner``'s pending gradient.
+
+        Args:
+            owner: a :class:`DeferredOwner`, held by weak reference (registering it again does
+                nothing).
+            placeholder: a ``torch.nn.Parameter`` that the owner keeps of shape [P, D] with
+                ``.grad`` its pending gradient; appended to ``param_groups[0]["params"]``.
+        """
+        if not isinstance(owner, DeferredOwner):
+            raise TypeError(f"owner={owner!r}: must implement _deferred_apply, _deferred_clear and _deferred_grad")
+        if not isinstance(placeholder, torch.nn.Parameter):
+            raise TypeError(f"placeholder={placeholder!r}: must be a torch.nn.Parameter")
+        if any(ref() is owner for ref, _ in self._owners):
+            return
+        this = weakref.ref(self)
+
+        def forget(_ref: weakref.ref, placeholder: torch.nn.Parameter = placeholder) -> None:
+            optimizer = this()
+            if optimizer is not None:
+                optimizer._forget(placeholder)
+
+        self._owners.append((weakref.ref(owner, forget), placeholder))
+        self.param_groups[0]["params"].append(placeholder)
+
+    def unregister_deferred(self, owner: DeferredOwner) -> None:
+        """Stop stepping ``owner`` (its pending gradient is left as it is)."""
+        for ref, placeholder in list(self._owners):
+            if ref() is owner:
+                self._forget(placeholder)
+
+    def _forget(self, placeholder: torch.nn.Parameter) -> None:
+        self._owners = [(r, p) for r, p in self._owners if p is not placeholder]
+        params = self.param_groups[0]["params"]
+        # Identity, not ==: tensors compare element-wise.
+        params[:] = [p for p in params if p is not placeholder]
+
+    def deferred_owners(self) -> list[DeferredOwner]:
+        """The live deferred owners, in registration order."""
+        return [owner for ref, _ in self._owners if (owner := ref()) is not None]
 
     @abc.abstractmethod
     def state_dim(self, embedding_dim: int) -> int:
@@ -110,22 +196,46 @@ class RowOptimizer(torch.optim.Optimizer, abc.ABC):
         """
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Nothing to do: the tables applied the update in backward.
+        """Apply one update to every deferred table with its pending gradient, and clear it.
 
-        It exists so the standard loop ``loss.backward(); opt.step(); scheduler.step()`` runs
-        unchanged and the scheduler sees ``step()`` called. Step hooks fire as in torch.
+        Fused tables applied their update in backward: for them this does nothing, and exists so
+        the standard loop ``loss.backward(); opt.step(); scheduler.step()`` runs unchanged and the
+        scheduler sees ``step()`` called. Step hooks fire as in torch. Deferred owners are stepped
+        in registration order; one that raises (``nonfinite_grads="raise"``) stops the step there
+        and keeps its pending gradient.
 
         Args:
-            closure: if given, called with grad enabled (its backward applies the update) and its
-                loss returned.
+            closure: if given, called first with grad enabled (its backward accumulates or
+                applies the gradient) and its loss returned.
         """
-        if closure is None:
-            return None
-        with torch.enable_grad():
-            return closure()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for owner in self.deferred_owners():
+            owner._deferred_apply()
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing to do: a fused optimizer keeps no ``.grad`` (the gradient is consumed in backward)."""
+        """Drop the pending gradient of every deferred table (fused tables keep none).
+
+        Args:
+            set_to_none: accepted for torch's signature; either way the pending gradient becomes
+                empty ([0, D]).
+        """
+        for owner in self.deferred_owners():
+            owner._deferred_clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"state": {}, "param_groups": [{hyper-parameters..., "params": []}]}``.
+
+        The placeholders of deferred tables are not saved (their pending gradient is not state:
+        save after ``step()``). State-dict hooks fire; post hooks see torch's packed form.
+        """
+        state_dict = super().state_dict()
+        for group in state_dict["param_groups"]:
+            group["params"] = []
+        return state_dict
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Refused: a fused optimizer updates table rows, not parameters."""
@@ -136,7 +246,8 @@ class RowOptimizer(torch.optim.Optimizer, abc.ABC):
 
         The saved group must hold every hyper-parameter of this class; each is validated. Other
         keys (a scheduler's ``initial_lr``, ``max_lr``, ...) are kept as they are, as torch does.
-        Per-row state lives in the tables and is saved with them. Load-state-dict hooks fire.
+        Per-row state lives in the tables and is saved with them; the registered deferred tables
+        stay registered. Load-state-dict hooks fire.
 
         Args:
             state_dict: ``{"state": {}, "param_groups": [{hyper-parameters..., "params": []}]}``.
@@ -157,8 +268,8 @@ class RowOptimizer(torch.optim.Optimizer, abc.ABC):
                 if key not in saved:
                     raise ValueError(f"{name}.load_state_dict: param_groups[0] has no {key!r}")
                 saved[key] = declared.validate(self, saved[key])
-        saved["params"] = []
         group = self.param_groups[0]
+        saved["params"] = group["params"]
         group.clear()
         group.update(saved)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
