@@ -453,6 +453,43 @@ def test_to_converts_the_pending_gradient():
     torch.testing.assert_close(table.find(ids)[0], before - 1.0)
 
 
+class TwoGroupOwner:
+    """A collection-like owner: two accumulators of different D, one placeholder each."""
+
+    def __init__(self, optimizer):
+        self.accs = [GradAccumulator(2, torch.float32, "cpu"), GradAccumulator(3, torch.float32, "cpu")]
+        self.applied = []
+        for acc in self.accs:
+            optimizer.register_deferred(self, acc.param)
+            optimizer.register_deferred(self, acc.param)
+
+    def _deferred_apply(self):
+        self.applied.append([acc.drain()[2].clone() for acc in self.accs])
+
+    def _deferred_clear(self):
+        for acc in self.accs:
+            acc.clear()
+
+    def _deferred_grad(self):
+        return [acc.grad for acc in self.accs]
+
+
+def test_owner_with_several_placeholders_is_stepped_once_and_clipped_whole():
+    opt = dynemb.optim.SGD()
+    owner = TwoGroupOwner(opt)
+    params = opt.param_groups[0]["params"]
+    assert len(params) == 2 and params[0] is owner.accs[0].param and params[1] is owner.accs[1].param
+    owner.accs[0].add(torch.tensor([5]), torch.full((1, 2), 3.0))
+    owner.accs[1].add(torch.tensor([7, 5]), torch.full((2, 3), 4.0), torch.tensor([1, 0]))
+    torch.testing.assert_close(dynemb.clip_grad_norm_(opt, 1.0), torch.tensor(float((2 * 9 + 6 * 16) ** 0.5)))
+    torch.testing.assert_close(dynemb.clip_grad_norm_(owner, 1e9), torch.tensor(1.0))
+    opt.step()
+    assert len(owner.applied) == 1 and [g.shape for g in owner.applied[0]] == [(1, 2), (2, 3)]
+    assert [len(acc) for acc in owner.accs] == [0, 0]
+    opt.unregister_deferred(owner)
+    assert opt.param_groups[0]["params"] == []
+
+
 # -- GradAccumulator ---------------------------------------------------------------------------------
 
 

@@ -153,8 +153,11 @@ class GradAccumulator:
 def _gradients(obj, seen: set[int], out: list[torch.Tensor]) -> None:
     """Collect the gradients of ``obj`` (see :func:`clip_grad_norm_`), each tensor once."""
 
-    def take(grad: torch.Tensor | None) -> None:
-        if grad is not None and id(grad) not in seen:
+    def take(grad: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...] | None) -> None:
+        if isinstance(grad, (list, tuple)):
+            for g in grad:
+                take(g)
+        elif grad is not None and id(grad) not in seen:
             seen.add(id(grad))
             out.append(grad)
 

@@ -12,16 +12,19 @@ their optimizer as a *deferred owner*, an object with three methods (:class:`Def
   clear it (nothing at all when nothing is pending); called by ``optimizer.step()``.
 * ``_deferred_clear()``: drop the pending gradient without applying it; called by
   ``optimizer.zero_grad()``.
-* ``_deferred_grad() -> Tensor | None``: the pending gradient [P, D] itself (not a copy), so
-  in-place scaling (clipping, ``GradScaler.unscale_``) changes what ``_deferred_apply`` applies;
-  ``None`` when the object does not defer (a fused table).
+* ``_deferred_grad() -> Tensor | list[Tensor] | None``: the pending gradient [P, D] itself (not
+  a copy; a list when the owner keeps several, e.g. one per group of a collection), so in-place
+  scaling (clipping, ``GradScaler.unscale_``) changes what ``_deferred_apply`` applies; ``None``
+  when the object does not defer (a fused table).
 
 An owner registers with :meth:`RowOptimizer.register_deferred` together with a placeholder
 ``torch.nn.Parameter`` of shape [P, D] (zero-stride: no memory) whose ``.grad`` it keeps equal
-to its pending gradient. The placeholders are ``param_groups[0]["params"]``, which is where
-``torch.amp.GradScaler`` and ``torch.nn.utils.clip_grad_norm_`` look for gradients. The optimizer
-holds owners by weak reference: a table that is garbage collected leaves the registry and its
-placeholder leaves ``param_groups``.
+to its pending gradient (an owner with several pending gradients registers once per
+placeholder; it is still applied / cleared once per call). The placeholders are
+``param_groups[0]["params"]``, which is where ``torch.amp.GradScaler`` and
+``torch.nn.utils.clip_grad_norm_`` look for gradients. The optimizer holds owners by weak
+reference: a table that is garbage collected leaves the registry and its placeholders leave
+``param_groups``.
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ class DeferredOwner(Protocol):
 
     def _deferred_clear(self) -> None: ...
 
-    def _deferred_grad(self) -> torch.Tensor | None: ...
+    def _deferred_grad(self) -> torch.Tensor | list[torch.Tensor] | None: ...
 
 
 class RowOptimizer(torch.optim.Optimizer, abc.ABC):
@@ -139,16 +142,17 @@ class RowOptimizer(torch.optim.Optimizer, abc.ABC):
         """Have :meth:`step` / :meth:`zero_grad` apply / clear ``owner``'s pending gradient.
 
         Args:
-            owner: a :class:`DeferredOwner`, held by weak reference (registering it again does
-                nothing).
+            owner: a :class:`DeferredOwner`, held by weak reference.
             placeholder: a ``torch.nn.Parameter`` that the owner keeps of shape [P, D] with
-                ``.grad`` its pending gradient; appended to ``param_groups[0]["params"]``.
+                ``.grad`` its pending gradient; appended to ``param_groups[0]["params"]``. An
+                owner may register several placeholders (one per pending gradient); registering
+                the same pair again does nothing.
         """
         if not isinstance(owner, DeferredOwner):
             raise TypeError(f"owner={owner!r}: must implement _deferred_apply, _deferred_clear and _deferred_grad")
         if not isinstance(placeholder, torch.nn.Parameter):
             raise TypeError(f"placeholder={placeholder!r}: must be a torch.nn.Parameter")
-        if any(ref() is owner for ref, _ in self._owners):
+        if any(ref() is owner and p is placeholder for ref, p in self._owners):
             return
         this = weakref.ref(self)
 
@@ -161,7 +165,7 @@ class RowOptimizer(torch.optim.Optimizer, abc.ABC):
         self.param_groups[0]["params"].append(placeholder)
 
     def unregister_deferred(self, owner: DeferredOwner) -> None:
-        """Stop stepping ``owner`` (its pending gradient is left as it is)."""
+        """Stop stepping ``owner`` and drop its placeholders (its pending gradient is left as it is)."""
         for ref, placeholder in list(self._owners):
             if ref() is owner:
                 self._forget(placeholder)
@@ -173,8 +177,13 @@ class RowOptimizer(torch.optim.Optimizer, abc.ABC):
         params[:] = [p for p in params if p is not placeholder]
 
     def deferred_owners(self) -> list[DeferredOwner]:
-        """The live deferred owners, in registration order."""
-        return [owner for ref, _ in self._owners if (owner := ref()) is not None]
+        """The live deferred owners, each once, in registration order."""
+        owners: list[DeferredOwner] = []
+        for ref, _ in self._owners:
+            owner = ref()
+            if owner is not None and not any(o is owner for o in owners):
+                owners.append(owner)
+        return owners
 
     @abc.abstractmethod
     def state_dim(self, embedding_dim: int) -> int:
