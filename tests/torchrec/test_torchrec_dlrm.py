@@ -116,3 +116,22 @@ def test_example_trains_dlrm_and_the_loss_falls(capsys):
     assert result["last_train_loss"] < result["first_train_loss"] - 0.1
     # The adversarial ids were trained like any other.
     assert example.SPECIAL.tolist() == [0, -1, -(2**63), 2**63 - 1] and result["special_ids_trained"]
+
+
+def test_dlrm_with_deferred_updates_equals_fused():
+    """update="deferred": the sparse rows change at the dynemb optimizer's step(), beside the dense one."""
+    vocab = ids(100, seed=2)
+    sparse = dynemb.optim.Adagrad(lr=0.1)
+    deferred = dlrm(dynemb.torchrec.EmbeddingBagCollection(tables(), optimizer=sparse, update="deferred"))
+    fused = dlrm(dynemb.torchrec.EmbeddingBagCollection(tables(), optimizer=dynemb.optim.Adagrad(lr=0.1)))
+    fused.load_state_dict(deferred.state_dict())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (deferred, fused)]
+    for step in range(3):
+        dense, features, label = batch(vocab, seed=50 + step)
+        for model, opt in zip((deferred, fused), opts):
+            opt.zero_grad()
+            bce(model(dense, features).squeeze(1), label).backward()
+            opt.step()
+        sparse.step()
+        sparse.zero_grad()
+        torch.testing.assert_close(deferred(dense, features), fused(dense, features))
