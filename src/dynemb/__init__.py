@@ -3,7 +3,14 @@
 from dynemb import optim
 from dynemb.config import Admission, Initializer, TableConfig
 from dynemb.errors import InsertionError
-from dynemb.nn import DynamicEmbedding, DynamicEmbeddingBag, DynamicTable
+from dynemb.nn import (
+    DynamicEmbedding,
+    DynamicEmbeddingBag,
+    DynamicEmbeddingBagCollection,
+    DynamicEmbeddingCollection,
+    DynamicTable,
+    PooledEmbeddings,
+)
 from dynemb.nn.deferred import clip_grad_norm_
 from dynemb.table.index import KeyIndex
 from dynemb.types import CheckMode, InitKind, NonFiniteGrads, PoolingMode, ScoreStrategy
@@ -15,12 +22,15 @@ __all__ = [
     "CheckMode",
     "DynamicEmbedding",
     "DynamicEmbeddingBag",
+    "DynamicEmbeddingBagCollection",
+    "DynamicEmbeddingCollection",
     "DynamicTable",
     "InitKind",
     "Initializer",
     "InsertionError",
     "KeyIndex",
     "NonFiniteGrads",
+    "PooledEmbeddings",
     "PoolingMode",
     "ScoreStrategy",
     "TableConfig",

@@ -29,6 +29,7 @@ from dynemb.config import TableConfig
 from dynemb.errors import InsertionError
 from dynemb.nn.admission import FrequencyAdmission
 from dynemb.nn.autograd import FusedEmbeddings, Lookup
+from dynemb.nn.deferred import GradAccumulator
 from dynemb.nn.group import GroupEngine, GroupResolved, group_key
 from dynemb.optim.base import RowOptimizer
 from dynemb.table.index import unique_pairs
@@ -43,8 +44,8 @@ class GroupLookup(Lookup):
 
     __slots__ = ("group", "segments")
 
-    def __init__(self, owner, group: int, keys, segments, rows, data, version: int):
-        super().__init__(owner, keys, rows, data, version)
+    def __init__(self, owner, group: int, keys, segments, rows, data, version: int, repeatable: bool = False):
+        super().__init__(owner, keys, rows, data, version, repeatable)
         self.group, self.segments = group, segments
 
 
@@ -141,8 +142,11 @@ class _DynamicCollection(torch.nn.Module):
         self.last_failed_keys = {n: torch.empty(0, dtype=torch.int64, device=device) for n in self.table_names}
         self.last_evicted_keys = {n: torch.empty(0, dtype=torch.int64, device=device) for n in self.table_names}
         self._erased = [0] * len(tables)
+        self._pending: list[GradAccumulator] | None = None
         if update == "deferred":
-            self._init_deferred()
+            self._pending = [GradAccumulator(e.embedding_dim, e.dtype, e.device) for e in self.engines]
+            for acc in self._pending:
+                optimizer.register_deferred(self, acc.param)
 
     # -- introspection -----------------------------------------------------------------------
 
@@ -290,7 +294,7 @@ class _DynamicCollection(torch.nn.Module):
                 defaults = torch.tensor([self.table_configs[t].eval_default for t in group.tables], dtype=data.dtype, device=device)
                 fill = defaults.index_select(0, segs.index_select(0, missing))[:, None].expand(-1, D)
             data[:, :D].index_copy_(0, missing, fill)
-        lookup = GroupLookup(self, group.index, keys, segs, r.rows, data, engine.version)
+        lookup = GroupLookup(self, group.index, keys, segs, r.rows, data, engine.version, repeatable=self._pending is not None)
         if self.training:
             failures.extend(self._report(group, r))
         if self.training and self.optimizer is not None and torch.is_grad_enabled():
@@ -364,8 +368,14 @@ class _DynamicCollection(torch.nn.Module):
             engine = self.engines[lookup.group]
             if grad_u is None:
                 grad_u = torch.zeros(lookup.keys.numel(), engine.embedding_dim, dtype=grad.dtype, device=grad.device).index_add_(0, inverse, grad)
-            if self.update == "deferred":
-                self._accumulate(lookup, grad_u)
+            if self._pending is not None:
+                ok = lookup.rows >= 0
+                keys, segs = lookup.keys, lookup.segments
+                # Keys not in their table at the lookup (not admitted, failed) are not trained.
+                if not bool(ok.all()):
+                    sel = ok.nonzero().squeeze(1)
+                    keys, segs, grad_u = keys.index_select(0, sel), segs.index_select(0, sel), grad_u.index_select(0, sel)
+                self._pending[lookup.group].add(keys, grad_u, segments=segs)
                 return
             engine.apply_gradients(
                 lookup.keys,
@@ -379,11 +389,42 @@ class _DynamicCollection(torch.nn.Module):
 
     # -- deferred updates --------------------------------------------------------------------
 
-    def _init_deferred(self) -> None:
-        raise NotImplementedError("update='deferred' for collections lands with the deferred-update work")
+    # The DeferredOwner protocol of dynemb.optim.base (docs/design/0011-deferred-updates.md): one
+    # pending gradient per group, keyed by (table, key).
 
-    def _accumulate(self, lookup: GroupLookup, grad_u: torch.Tensor) -> None:
-        raise NotImplementedError
+    def _deferred_apply(self) -> None:
+        """One optimizer step of every group with a pending gradient, then clear it; keys that
+        left their table since the lookup are skipped. Called by ``optimizer.step()``."""
+        with self._lock:
+            for engine, acc in zip(self.engines, self._pending or []):
+                if not len(acc):
+                    continue
+                keys, segs, grad = acc.keys, acc.segments, acc.grad
+                rows, _ = engine.index.find(keys, segments=segs)
+                engine.apply_gradients(keys, segs, rows, grad, nonfinite=engine.configs[0].nonfinite_grads)
+                acc.clear()
+
+    def _deferred_clear(self) -> None:
+        """Drop every pending gradient. Called by ``optimizer.zero_grad()``."""
+        with self._lock:
+            for acc in self._pending or []:
+                acc.clear()
+
+    def _deferred_grad(self) -> list[torch.Tensor] | None:
+        """The pending gradients ([P_g, D_g] per group, live tensors), None when fused."""
+        with self._lock:
+            return None if self._pending is None else [acc.grad for acc in self._pending]
+
+    def pending_keys(self, table: str) -> torch.Tensor:
+        """Tensor[int64]: [P] keys of one table with a pending (deferred) gradient."""
+        engine, s, _ = self._engine_of(table)
+        with self._lock:
+            if self._pending is None:
+                return torch.empty(0, dtype=torch.int64, device=engine.device)
+            acc = self._pending[self.engines.index(engine)]
+            if not len(acc):
+                return acc.keys
+            return acc.keys[acc.segments == s]
 
     # -- direct access -----------------------------------------------------------------------
 

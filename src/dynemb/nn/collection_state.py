@@ -44,6 +44,13 @@ def expected_entries(collection) -> list[str]:
     return names
 
 
+def _cat(chunks: list[dict], name: str, width: int | None) -> torch.Tensor:
+    """One export entry over every chunk ([K] or [K, width]; empty when there is no chunk)."""
+    if chunks:
+        return torch.cat([c[name] for c in chunks])
+    return torch.empty(0, *(() if width is None else (width,)))
+
+
 def collection_state(collection) -> dict[str, torch.Tensor]:
     """Every entry of the collection's state_dict (without prefix)."""
     with collection._lock:
@@ -55,11 +62,10 @@ def collection_state(collection) -> dict[str, torch.Tensor]:
             engine, s, _ = collection._engine_of(name)
             chunks = list(engine.export(s, 1 << 20))
             D = engine.embedding_dim
-            cat = (lambda k, width=None: torch.cat([c[k] for c in chunks]) if chunks else torch.empty(0, *(() if width is None else (width,))))
-            state[f"{name}.keys"] = cat("keys").to(torch.int64).clone()
-            state[f"{name}.embeddings"] = cat("embeddings", D).to(engine.dtype).clone()
-            state[f"{name}.optimizer_state"] = cat("optimizer_state", engine.state_dim).to(engine.dtype).clone()
-            state[f"{name}.scores"] = cat("scores").to(torch.int64).clone()
+            state[f"{name}.keys"] = _cat(chunks, "keys", None).to(torch.int64).clone()
+            state[f"{name}.embeddings"] = _cat(chunks, "embeddings", D).to(engine.dtype).clone()
+            state[f"{name}.optimizer_state"] = _cat(chunks, "optimizer_state", engine.state_dim).to(engine.dtype).clone()
+            state[f"{name}.scores"] = _cat(chunks, "scores", None).to(torch.int64).clone()
             state[f"{name}.optimizer_step"] = torch.tensor(engine.optimizer_steps[s], dtype=torch.int64)
             state[f"{name}.counters"] = torch.tensor([collection._erased[t], engine.nonfinite_grads[s]], dtype=torch.int64)
             state[f"{name}.generator_state"] = engine.initializers[s].generator.get_state()
