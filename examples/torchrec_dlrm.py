@@ -19,12 +19,12 @@ import sys
 import time
 
 import torch
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.models.dlrm import DLRM
 
 import dynemb
 import dynemb.torchrec
 from dynemb.hashing import mix64
-from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 FEATURES = ("user", "item", "history")
 SPECIAL = torch.tensor([0, -1, -(2**63), 2**63 - 1])  # adversarial ids, always in the vocabulary

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torchrec
+from torchrec import EmbeddingBagConfig, EmbeddingConfig
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec_testing import SPECIAL, ids, kjt
 
 import dynemb
 import dynemb.torchrec
-import torchrec
-from torchrec import EmbeddingBagConfig, EmbeddingConfig
 
 POOLED = ["user", "item"]
 SEQUENCE = ["clicks"]

@@ -13,13 +13,13 @@ import io
 import pathlib
 
 import torch
+import torchrec
+from torchrec import EmbeddingBagConfig
 from torchrec.models.dlrm import DLRM
 from torchrec_testing import ids, kjt, remap, single_ids
 
 import dynemb
 import dynemb.torchrec
-import torchrec
-from torchrec import EmbeddingBagConfig
 
 FEATURES = ["user", "item", "history"]
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "torchrec_dlrm.py"

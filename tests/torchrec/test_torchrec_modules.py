@@ -12,14 +12,14 @@ import warnings
 
 import pytest
 import torch
+import torchrec
+from torchrec import EmbeddingBagConfig, EmbeddingConfig, JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from torchrec.modules.embedding_configs import DataType, PoolingType
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec_testing import SPECIAL, ids, kjt, remap, single_ids
 
 import dynemb
 import dynemb.torchrec
-import torchrec
-from torchrec import EmbeddingBagConfig, EmbeddingConfig, JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 FEATURES = ["a", "b", "c"]
 

@@ -7,7 +7,6 @@ B samples, N ids, D embedding dim.
 from __future__ import annotations
 
 import torch
-
 from torchrec import KeyedJaggedTensor
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-
 import torchrec
+
 from dynemb.torchrec.configs import check_options
 from dynemb.torchrec.modules import EmbeddingBagCollection, EmbeddingCollection
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+import torchrec
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from torchrec.sparse.tensor_dict import maybe_td_to_kjt
 
-import torchrec
 from dynemb.nn import DynamicEmbeddingBagCollection, DynamicEmbeddingCollection
 from dynemb.torchrec.configs import check_options, table_config
 
