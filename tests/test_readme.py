@@ -15,3 +15,13 @@ def test_readme_example_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     exec(compile(block.group(1), "README.md", "exec"), {})
     assert (tmp_path / "table.pt").exists()
+
+
+def test_readme_collections_example_runs():
+    text = README.read_text()
+    block = re.search(r"## Collections\s+.*?```python\n(.*?)```", text, re.S)
+    assert block, "README.md has no python example under '## Collections'"
+    scope: dict = {}
+    exec(compile(block.group(1), "README.md", "exec"), scope)
+    stats = scope["ebc"].stats()["item"]
+    assert stats["optimizer_step"] == 1 and stats["size"] == 2
