@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import torch
 
 from dynemb.config import TableConfig
+from dynemb.nn.changes import ChangeLog
 from dynemb.optim.base import RowOptimizer
 from dynemb.storage.base import RowStore
 from dynemb.storage.device_store import DeviceRowStore
@@ -131,6 +132,8 @@ class TableEngine:
         # Bumped by every write to rows or index; a backward re-finds its keys when it changed.
         self.version = 0
         self._workspace = Workspace(config.device)
+        # Rows changed / keys left since the last checkpoint (None until a save asks for it).
+        self.changes: ChangeLog | None = None
 
     @property
     def device(self) -> torch.device:
@@ -201,6 +204,9 @@ class TableEngine:
             if init_rows and bool(r.inserted.any()):
                 new = r.inserted.nonzero().squeeze(1)
                 self.store.scatter(r.rows.index_select(0, new), self.new_rows(sub.index_select(0, new)))
+            if self.changes is not None:
+                self.changes.touch(r.rows)
+                self.changes.left(r.evicted_keys)
             self.version += 1
         if sel is None:
             return Resolved(keys, r.rows, r.found, r.inserted, r.evicted_keys, evicted, r.failed_keys)
@@ -274,6 +280,8 @@ class TableEngine:
             D = self.embedding_dim
             self.optimizer.update(data[:, :D], data[:, D:], grads, self.optimizer_step)
             self.store.scatter(rows, data)
+            if self.changes is not None:
+                self.changes.touch(rows)
             self.version += 1
         return skipped
 
@@ -281,6 +289,8 @@ class TableEngine:
         """Remove keys ([N] int64, duplicates allowed); the contents of their rows when asked."""
         with writable():
             r = self.index.erase(keys)
+            if self.changes is not None:
+                self.changes.left(r.evicted_keys)
             self.version += 1
         return r, (self._leaving(r) if evicted_contents and r.evicted_keys.numel() else None)
 
@@ -300,4 +310,6 @@ class TableEngine:
         self.config = dataclasses.replace(self.config, device=device, dtype=dtype)
         self.initializer = RowInitializer(self.config.initializer, self.embedding_dim, self.config.seed, dtype, device)
         self._workspace.to(device)
+        if self.changes is not None:
+            self.changes.to(device)
         self.version += 1

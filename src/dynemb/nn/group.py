@@ -18,6 +18,7 @@ import dataclasses
 import torch
 
 from dynemb.config import TableConfig
+from dynemb.nn.changes import ChangeLog
 from dynemb.nn.functional import _device_memory
 from dynemb.optim.base import RowOptimizer
 from dynemb.storage.device_store import DeviceRowStore
@@ -111,6 +112,8 @@ class GroupEngine:
         self.optimizer_steps = [0] * len(configs)
         self.nonfinite_grads = [0] * len(configs)
         self.version = 0
+        # Rows changed / (segment, key) pairs left since the last checkpoint (None until asked).
+        self.changes: ChangeLog | None = None
 
     @property
     def num_tables(self) -> int:
@@ -183,6 +186,9 @@ class GroupEngine:
             if init_rows and bool(r.inserted.any()):
                 new = r.inserted.nonzero().squeeze(1)
                 self.store.scatter(r.rows.index_select(0, new), self.new_rows(sub.index_select(0, new), sub_seg.index_select(0, new)))
+            if self.changes is not None:
+                self.changes.touch(r.rows)
+                self.changes.left(r.evicted_keys, r.evicted_segments)
             self.version += 1
         if sel is None:
             rows, found, inserted = r.rows, r.found, r.inserted
@@ -272,6 +278,8 @@ class GroupEngine:
                         self.optimizer.update(part[:, :D], part[:, D:], grads.index_select(0, sel), step)
                         data.index_copy_(0, sel, part)
             self.store.scatter(rows, data)
+            if self.changes is not None:
+                self.changes.touch(rows)
             self.version += 1
         return skipped
 
@@ -280,6 +288,8 @@ class GroupEngine:
         of the erased rows when asked."""
         with writable():
             r = self.index.erase(keys, segments=segments)
+            if self.changes is not None:
+                self.changes.left(r.evicted_keys, r.evicted_segments)
             self.version += 1
         contents = None
         if evicted_contents and r.evicted_keys.numel():
@@ -303,4 +313,6 @@ class GroupEngine:
         self.configs = [dataclasses.replace(c, device=device, dtype=dtype) for c in self.configs]
         self.dtype, self.device = dtype, device
         self.initializers = [RowInitializer(c.initializer, self.embedding_dim, c.seed, dtype, device) for c in self.configs]
+        if self.changes is not None:
+            self.changes.to(device)
         self.version += 1

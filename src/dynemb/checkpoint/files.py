@@ -1,0 +1,212 @@
+"""Files of a checkpoint directory (docs/format.md): manifest, hashed safetensors, atomic commit."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from dynemb.errors import CheckpointError
+
+FORMAT = "dynemb-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+_SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def table_dir(name: str) -> str:
+    """The directory of a table's files, relative to the checkpoint."""
+    return "tables/" + _SAFE.sub(lambda m: "".join(f"%{b:02X}" for b in m.group().encode()), name)
+
+
+def now_iso() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Writer:
+    """Writes a checkpoint into a temporary sibling directory, then commits it by renaming.
+
+    Args:
+        path: the checkpoint directory to create.
+        overwrite: replace an existing checkpoint at ``path`` (else it is an error).
+    """
+
+    def __init__(self, path: str | os.PathLike, overwrite: bool = False):
+        self.path = Path(path)
+        if self.path.exists() and not overwrite:
+            raise FileExistsError(f"{self.path}: exists; pass overwrite=True to replace it, or save to a new path")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = self.path.parent / f".{self.path.name}.tmp-{new_id()[:12]}"
+        self.tmp.mkdir()
+        self.overwrite = overwrite
+
+    def write_tensors(self, relative: str, tensors: dict[str, torch.Tensor], role: str, rows: int | None = None) -> dict:
+        """Write one safetensors file; returns its manifest entry (path, role, rows, bytes, sha256)."""
+        data = st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+        target = self.tmp / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        entry = {"path": relative, "role": role, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        if rows is not None:
+            entry["rows"] = rows
+        return entry
+
+    def commit(self, manifest: dict) -> None:
+        """Write the manifest, fsync everything, and rename the directory into place."""
+        data = json.dumps(manifest, indent=1, sort_keys=False).encode()
+        with open(self.tmp / MANIFEST, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        for folder, _, _ in os.walk(self.tmp):
+            _fsync_dir(Path(folder))
+        old = None
+        if self.path.exists():
+            old = self.path.parent / f".{self.path.name}.old-{new_id()[:12]}"
+            os.rename(self.path, old)
+        os.rename(self.tmp, self.path)
+        _fsync_dir(self.path.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def resolve_dir(path: str | os.PathLike) -> Path:
+    """The checkpoint directory at ``path``; if a replacing save was killed between its two
+    renames, the previous checkpoint left aside under ``.<name>.old-*`` is used."""
+    path = Path(path)
+    if path.is_dir():
+        return path
+    old = sorted(path.parent.glob(f".{path.name}.old-*")) if path.parent.is_dir() else []
+    for candidate in old:
+        if (candidate / MANIFEST).is_file():
+            return candidate
+    raise CheckpointError("no checkpoint directory here", path)
+
+
+def read_manifest(directory: Path) -> dict:
+    """The manifest of a checkpoint directory, checked for format and shape."""
+    file = directory / MANIFEST
+    if not file.is_file():
+        raise CheckpointError("missing manifest.json (not a checkpoint, or an unfinished save)", file)
+    try:
+        manifest = json.loads(file.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"manifest is not valid JSON ({e})", file) from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"manifest 'format' is not {FORMAT!r}", file)
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"format_version={version!r}: this dynemb reads version {FORMAT_VERSION}", file)
+    if manifest.get("kind") not in ("full", "delta") or not isinstance(manifest.get("id"), str):
+        raise CheckpointError("manifest 'kind' must be 'full' or 'delta' and 'id' a string", file)
+    tables = manifest.get("tables")
+    if not isinstance(tables, dict):
+        raise CheckpointError("manifest 'tables' must be an object", file)
+    for name, entry in tables.items():
+        _check_table_entry(file, name, entry)
+    return manifest
+
+
+def _check_table_entry(file: Path, name: str, entry) -> None:
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise CheckpointError(f"table {name!r}: {what}", file)
+
+    need(isinstance(entry, dict), "entry must be an object")
+    for key in ("embedding_dim", "state_dim", "rows", "tombstones"):
+        need(isinstance(entry.get(key), int) and not isinstance(entry.get(key), bool) and entry[key] >= 0, f"'{key}' must be an int >= 0")
+    need(entry["embedding_dim"] >= 1, "'embedding_dim' must be >= 1")
+    need(entry.get("dtype") in ("float32", "float64", "bfloat16"), f"'dtype'={entry.get('dtype')!r} is not float32, float64 or bfloat16")
+    need(isinstance(entry.get("counters"), dict) and all(isinstance(v, (int, list)) for v in entry["counters"].values()), "'counters' must be an object of ints")
+    files = entry.get("files")
+    need(isinstance(files, list), "'files' must be a list")
+    prefix = table_dir(name) + "/"
+    for f in files:
+        need(
+            isinstance(f, dict)
+            and isinstance(f.get("path"), str)
+            and f["path"].startswith(prefix)
+            and ".." not in f["path"]
+            and isinstance(f.get("sha256"), str)
+            and isinstance(f.get("bytes"), int)
+            and f.get("role") in ("rows", "tombstones", "admission", "generator", "layout"),
+            f"file entry {f!r} is malformed (path under {prefix}, role, bytes, sha256)",
+        )
+        if f["role"] in ("rows", "tombstones"):
+            need(isinstance(f.get("rows"), int) and f["rows"] >= 0, f"file {f['path']!r}: 'rows' must be an int >= 0")
+    rows = sum(f["rows"] for f in files if f["role"] == "rows")
+    tombs = sum(f["rows"] for f in files if f["role"] == "tombstones")
+    need(rows == entry["rows"], f"'rows'={entry['rows']} but its rows files hold {rows}")
+    need(tombs == entry["tombstones"], f"'tombstones'={entry['tombstones']} but its tombstones files hold {tombs}")
+
+
+def verify_files(directory: Path, manifest: dict) -> None:
+    """Every listed file exists with its size and SHA-256; no other file is present."""
+    listed = set()
+    for name, entry in manifest["tables"].items():
+        for f in entry["files"]:
+            listed.add(f["path"])
+            path = directory / f["path"]
+            if not path.is_file():
+                raise CheckpointError(f"missing (listed in the manifest for table {name!r})", path)
+            size = path.stat().st_size
+            if size != f["bytes"]:
+                raise CheckpointError(f"has {size} bytes, the manifest says {f['bytes']} (truncated or replaced)", path)
+            digest = hashlib.sha256()
+            with open(path, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 24), b""):
+                    digest.update(block)
+            if digest.hexdigest() != f["sha256"]:
+                raise CheckpointError("SHA-256 differs from the manifest (corrupted)", path)
+    for root, _, names in os.walk(directory):
+        for n in names:
+            rel = Path(root, n).relative_to(directory).as_posix()
+            if rel != MANIFEST and rel not in listed:
+                raise CheckpointError("not listed in the manifest (extra file)", Path(root, n))
+
+
+def read_tensors(directory: Path, entry: dict, expected: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """Load one listed file and check its tensors: ``expected`` maps each name to (dtype or
+    None, shape with None for any size); nothing more, nothing less."""
+    path = directory / entry["path"]
+    try:
+        tensors = st_load(path.read_bytes())
+    except (SafetensorError, ValueError, OSError) as e:
+        raise CheckpointError(f"not a readable safetensors file ({e})", path) from None
+    if set(tensors) != set(expected):
+        raise CheckpointError(f"holds tensors {sorted(tensors)}, expected {sorted(expected)}", path)
+    for k, (dtype, shape) in expected.items():
+        t = tensors[k]
+        if dtype is not None and t.dtype != dtype:
+            raise CheckpointError(f"tensor '{k}' has dtype {t.dtype}, expected {dtype}", path)
+        if shape is not None and (t.dim() != len(shape) or any(s is not None and s != v for s, v in zip(shape, t.shape))):
+            raise CheckpointError(f"tensor '{k}' has shape {tuple(t.shape)}, expected {tuple('*' if s is None else s for s in shape)}", path)
+    return tensors

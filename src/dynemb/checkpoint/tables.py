@@ -1,0 +1,161 @@
+"""The dynemb tables inside a module tree, seen the way a checkpoint sees them.
+
+K keys of a table, D embedding dim, S optimizer state columns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+
+from dynemb.config import TableConfig
+from dynemb.nn.changes import ChangeLog
+from dynemb.nn.collection import _DynamicCollection
+from dynemb.nn.module import DynamicTable
+
+DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16"}
+DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+@dataclasses.dataclass
+class Entry:
+    """One table: a DynamicTable, or table ``table`` of a collection."""
+
+    name: str
+    module_path: str
+    module: torch.nn.Module
+    table: str | None
+
+    @property
+    def is_collection(self) -> bool:
+        return self.table is not None
+
+    @property
+    def location(self) -> tuple:
+        """(engine, segment or None, table index in a collection or None)."""
+        if self.table is None:
+            return self.module.engine, None, None
+        engine, s, t = self.module._engine_of(self.table)
+        return engine, s, t
+
+    @property
+    def engine(self):
+        return self.location[0]
+
+    @property
+    def config(self) -> TableConfig:
+        if self.table is None:
+            return self.module.config
+        return self.module.table_configs[self.location[2]]
+
+    @property
+    def optimizer(self):
+        return self.module.optimizer
+
+    @property
+    def state_dim(self) -> int:
+        return self.engine.state_dim
+
+    @property
+    def lock(self):
+        return self.module._lock
+
+    @property
+    def admission(self):
+        if self.table is None:
+            return self.module.admission
+        return self.module.admissions[self.location[2]]
+
+    @property
+    def generator(self) -> torch.Generator:
+        engine, s, _ = self.location
+        return engine.initializer.generator if s is None else engine.initializers[s].generator
+
+    def export(self, chunk_rows: int):
+        engine, s, _ = self.location
+        if s is None:
+            yield from engine.index.export(chunk_rows)
+        else:
+            yield from engine.index.export_segment(s, chunk_rows)
+
+    def find_rows(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        engine, s, _ = self.location
+        if s is None:
+            return engine.index.find(keys)
+        return engine.index.find(keys, segments=torch.full_like(keys, s))
+
+    def counters(self) -> dict:
+        engine, s, t = self.location
+        if s is None:
+            index = engine.index.stats()
+            return {
+                "step": self.module.step,
+                "optimizer_step": engine.optimizer_step,
+                "last_timestamp": self.module._last_timestamp,
+                "erased": self.module._erased,
+                "nonfinite_grads": engine.nonfinite_grads,
+                "index": [index["inserts"], index["evictions"], index["failed_inserts"], index["growths"]],
+            }
+        seg = engine.index.segment_stats()[s]
+        return {
+            "step": self.module.step,
+            "optimizer_step": engine.optimizer_steps[s],
+            "last_timestamp": self.module._last_timestamp,
+            "erased": self.module._erased[t],
+            "nonfinite_grads": engine.nonfinite_grads[s],
+            "index": [seg["inserts"], seg["evictions"], seg["failed_inserts"], seg["erased"]],
+        }
+
+    def changes(self) -> ChangeLog:
+        """The engine's change log, created (empty) if it had none."""
+        engine = self.engine
+        if engine.changes is None:
+            engine.changes = ChangeLog(engine.store.capacity if hasattr(engine.store, "capacity") else 0, engine.device)
+        return engine.changes
+
+
+def entries(model: torch.nn.Module) -> list[Entry]:
+    """Every dynemb table in ``model`` (itself included), named as in docs/format.md."""
+    out: list[Entry] = []
+    for path, module in model.named_modules():
+        if isinstance(module, DynamicTable):
+            out.append(Entry(path or "table", path, module, None))
+        elif isinstance(module, _DynamicCollection):
+            for t in module.table_names:
+                out.append(Entry(f"{path}.{t}" if path else t, path, module, t))
+    names = [e.name for e in out]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"tables {dup}: two tables of the model get the same checkpoint name")
+    return out
+
+
+def config_json(config: TableConfig) -> dict:
+    """TableConfig as JSON-able values (docs/format.md)."""
+
+    def value(v):
+        if isinstance(v, enum.Enum):
+            return v.value
+        if isinstance(v, torch.dtype):
+            return DTYPE_NAMES.get(v, str(v))
+        if isinstance(v, torch.device):
+            return str(v)
+        if dataclasses.is_dataclass(v):
+            return {f.name: value(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, tuple):
+            return list(v)
+        return v
+
+    return {f.name: value(getattr(config, f.name)) for f in dataclasses.fields(config)}
+
+
+def optimizer_json(optimizer) -> dict | None:
+    if optimizer is None:
+        return None
+    group = optimizer.param_groups[0]
+    from dynemb.optim.base import HyperParameter
+
+    hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if isinstance(getattr(type(optimizer), k, None), HyperParameter)}
+    return {"type": type(optimizer).__name__, "hyper_parameters": hyper}
