@@ -10,6 +10,7 @@ import dynemb
 PUBLIC = {
     "Admission",
     "CheckMode",
+    "CheckpointError",
     "DynamicEmbedding",
     "DynamicEmbeddingBag",
     "DynamicEmbeddingBagCollection",
@@ -24,6 +25,7 @@ PUBLIC = {
     "PoolingMode",
     "ScoreStrategy",
     "TableConfig",
+    "checkpoint",
     "clip_grad_norm_",
     "optim",
 }
@@ -54,8 +56,8 @@ def test_public_api():
 
 
 # Each layer may import the shared modules and the layers listed before it (DESIGN.md, "Layers").
-_SHARED = {"dynemb.types", "dynemb.config", "dynemb.errors", "dynemb.hashing", "dynemb.workspace"}
-_LAYERS = ["table", "storage", "optim", "nn"]
+_SHARED = {"dynemb._version", "dynemb.types", "dynemb.config", "dynemb.errors", "dynemb.hashing", "dynemb.workspace"}
+_LAYERS = ["table", "storage", "optim", "nn", "checkpoint"]
 
 
 def test_layers_import_only_the_layers_above_them():

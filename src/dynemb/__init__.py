@@ -1,8 +1,9 @@
 """dynemb: dynamic embedding tables with int64 keys for PyTorch recommender training."""
 
-from dynemb import optim
+from dynemb import checkpoint, optim
+from dynemb._version import __version__ as __version__
 from dynemb.config import Admission, Initializer, TableConfig
-from dynemb.errors import InsertionError
+from dynemb.errors import CheckpointError, InsertionError
 from dynemb.nn import (
     DynamicEmbedding,
     DynamicEmbeddingBag,
@@ -15,11 +16,10 @@ from dynemb.nn.deferred import clip_grad_norm_
 from dynemb.table.index import KeyIndex
 from dynemb.types import CheckMode, InitKind, NonFiniteGrads, PoolingMode, ScoreStrategy
 
-__version__ = "0.1.0"
-
 __all__ = [
     "Admission",
     "CheckMode",
+    "CheckpointError",
     "DynamicEmbedding",
     "DynamicEmbeddingBag",
     "DynamicEmbeddingBagCollection",
@@ -34,6 +34,7 @@ __all__ = [
     "PoolingMode",
     "ScoreStrategy",
     "TableConfig",
+    "checkpoint",
     "clip_grad_norm_",
     "optim",
 ]

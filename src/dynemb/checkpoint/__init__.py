@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-import dynemb
+from dynemb._version import __version__
 from dynemb.checkpoint import files as _files
 from dynemb.checkpoint.tables import DTYPE_NAMES, DTYPES, Entry, config_json, entries, optimizer_json
 from dynemb.errors import CheckpointError
@@ -171,7 +171,7 @@ def _save(model, path, *, delta_of: tuple[Path, dict] | None, chunk_rows: int, o
             manifest = {
                 "format": _files.FORMAT,
                 "format_version": _files.FORMAT_VERSION,
-                "dynemb_version": dynemb.__version__,
+                "dynemb_version": __version__,
                 "kind": "full" if delta_of is None else "delta",
                 "id": ckpt_id,
                 "base": None,
