@@ -2,23 +2,55 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import hashlib
 import json
 import os
 import re
 import shutil
+import struct
 import uuid
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from dynemb.errors import CheckpointError
 
 FORMAT = "dynemb-checkpoint"
+# One thread hashes while the caller writes (hashlib and file writes release the GIL).
+_HASHER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynemb-sha256")
+_PIECE = 1 << 26
+_ST_DTYPES = {
+    torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+}  # fmt: skip
+
+
+def _safetensors_pieces(tensors: dict[str, torch.Tensor]):
+    """The bytes of a safetensors file holding ``tensors``, as buffers over the tensors' memory:
+    8-byte little-endian header length, the JSON header (padded with spaces to 8 bytes), then
+    each tensor's raw little-endian bytes in header order."""
+    header, flat, offset = {}, [], 0
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        if t.dtype not in _ST_DTYPES:
+            raise TypeError(f"tensor {name!r}: dtype {t.dtype} has no safetensors code")
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        flat.append(t.reshape(-1).view(torch.uint8) if n else None)
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    yield struct.pack("<Q", len(head)) + head
+    for raw in flat:
+        if raw is None:
+            continue
+        view = memoryview(raw.numpy())
+        for start in range(0, len(view), _PIECE):
+            yield view[start : start + _PIECE]
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
@@ -63,15 +95,28 @@ class Writer:
         self.overwrite = overwrite
 
     def write_tensors(self, relative: str, tensors: dict[str, torch.Tensor], role: str, rows: int | None = None) -> dict:
-        """Write one safetensors file; returns its manifest entry (path, role, rows, bytes, sha256)."""
-        data = st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+        """Write one safetensors file; returns its manifest entry (path, role, rows, bytes, sha256).
+
+        The file is streamed from the tensors' memory (no serialised copy) while a second thread
+        hashes what was written, so a save costs about one write of the data."""
         target = self.tmp / relative
         target.parent.mkdir(parents=True, exist_ok=True)
+        digest = hashlib.sha256()
+        size = 0
         with open(target, "wb") as f:
-            f.write(data)
+            pending = None
+            for piece in _safetensors_pieces(tensors):
+                job = _HASHER.submit(digest.update, piece)
+                f.write(piece)
+                size += len(piece)
+                if pending is not None:
+                    pending.result()
+                pending = job
+            if pending is not None:
+                pending.result()
             f.flush()
             os.fsync(f.fileno())
-        entry = {"path": relative, "role": role, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        entry = {"path": relative, "role": role, "bytes": size, "sha256": digest.hexdigest()}
         if rows is not None:
             entry["rows"] = rows
         return entry
