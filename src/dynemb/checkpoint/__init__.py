@@ -86,11 +86,17 @@ def _write_table(writer: _files.Writer, e: Entry, chunk_rows: int, *, delta: boo
             keys, rows, scores = keys[m], rows[m], scores[m]
         if keys.numel() == 0:
             continue
-        data = engine.store.gather(rows)
+        stored = getattr(engine.store, "data", None)
+        if isinstance(stored, torch.Tensor):
+            # Two gathers from column views give contiguous blocks: no copy before writing.
+            emb, opt = stored[:, :D].index_select(0, rows), stored[:, D:].index_select(0, rows)
+        else:
+            data = engine.store.gather(rows)
+            emb, opt = data[:, :D], data[:, D:]
         out_files.append(
             writer.write_tensors(
                 f"{folder}/rows-{k:06d}.safetensors",
-                {"keys": keys, "embeddings": data[:, :D], "optimizer_state": data[:, D:], "scores": scores},
+                {"keys": keys, "embeddings": emb, "optimizer_state": opt, "scores": scores},
                 "rows",
                 keys.numel(),
             )
@@ -284,7 +290,8 @@ def _read_table(chain: list[tuple[Path, dict]], name: str) -> dict:
         add_k = torch.cat(new_k) if new_k else keys[:0]
         if torch.unique(add_k).numel() != add_k.numel():
             raise CheckpointError(f"table {name!r}: a key appears twice in its rows files", directory)
-        if not all(bool(torch.isfinite(v).all()) for v in new_v):
+        # A sum is finite when every value is (overflow of finite values is checked exactly).
+        if not all(bool(torch.isfinite(v.sum())) or bool(torch.isfinite(v).all()) for v in new_v):
             raise CheckpointError(f"table {name!r}: rows hold non-finite values", directory)
         drop = torch.cat([*tomb, add_k]) if tomb else add_k
         if drop.numel() and keys.numel():
