@@ -14,6 +14,8 @@ minus the tables, or ``dense=True`` to store ``model``'s other state_dict entrie
 
 from __future__ import annotations
 
+import bisect
+import collections
 import contextlib
 import os
 from collections.abc import Callable
@@ -26,6 +28,7 @@ from dynemb._version import __version__
 from dynemb.checkpoint import files as _files
 from dynemb.checkpoint.tables import DTYPE_NAMES, DTYPES, Entry, config_json, entries, optimizer_json
 from dynemb.errors import CheckpointError
+from dynemb.nn.admission import FrequencyAdmission
 from dynemb.nn.changes import ChangeLog
 from dynemb.nn.functional import TableEngine
 from dynemb.nn.group import GroupEngine
@@ -309,10 +312,12 @@ def _read_table(chain: list[tuple[Path, dict]], name: str) -> dict:
         if f["role"] == "admission":
             try:
                 extra["admission"] = load_file(last_dir / f["path"])
+                extra["admission_path"] = last_dir / f["path"]
             except Exception as e:  # safetensors raises several types
                 raise CheckpointError(f"not a readable safetensors file ({e})", last_dir / f["path"]) from None
         elif f["role"] == "generator":
             extra["generator"] = _files.read_tensors(last_dir, f, {"state": (torch.uint8, (None,))})["state"]
+            extra["generator_path"] = last_dir / f["path"]
         elif f["role"] == "layout" and len(chain) == 1:
             try:
                 extra["layout"] = load_file(last_dir / f["path"])
@@ -342,6 +347,28 @@ def _counter(entry: dict, name: str, path) -> int:
     return v
 
 
+def _index_state(index, keys: torch.Tensor, slots: torch.Tensor, scores: torch.Tensor, geometry: tuple[int, int, int], counters) -> dict:
+    """An index state_dict holding ``keys`` [K] at ``slots`` [K] with ``scores`` [K] and rows
+    0..K-1 (the store is filled in that order)."""
+    K = keys.numel()
+    state = {
+        "keys": keys,
+        "rows": torch.arange(K),
+        "scores": scores,
+        "slots": slots,
+        "num_buckets": torch.tensor(geometry[0]),
+        "bucket_capacity": torch.tensor(geometry[1]),
+        "max_buckets": torch.tensor(geometry[2]),
+        "free_high_water": torch.tensor(K),
+        "free": torch.empty(0, dtype=torch.int64),
+        "counters": torch.tensor(counters, dtype=torch.int64),
+    }
+    if hasattr(index, "segment_buckets"):
+        state["segment_buckets"] = index.segment_buckets.cpu().clone()
+        state["segment_counters"] = index._segment_stats.cpu().clone()
+    return {k: v.to(index.device) for k, v in state.items()}
+
+
 def _layout_state(engine, parts: list[tuple[int | None, dict]], index_counters) -> dict | None:
     """An index state_dict placing every key at its saved slot, or None if the layout does not
     apply (missing, or another geometry). parts: (segment, table data) of every table of the engine."""
@@ -362,78 +389,197 @@ def _layout_state(engine, parts: list[tuple[int | None, dict]], index_counters) 
         keys.append(data["keys"])
         slots.append(lay["slots"])
         scores.append(data["scores"])
-    K = sum(k.numel() for k in keys)
-    state = {
-        "keys": torch.cat(keys),
-        "rows": torch.arange(K),
-        "scores": torch.cat(scores),
-        "slots": torch.cat(slots),
-        "num_buckets": torch.tensor(geometry[0]),
-        "bucket_capacity": torch.tensor(geometry[1]),
-        "max_buckets": torch.tensor(geometry[2]),
-        "free_high_water": torch.tensor(K),
-        "free": torch.empty(0, dtype=torch.int64),
-        "counters": torch.tensor(index_counters, dtype=torch.int64),
-    }
-    if parts[0][0] is not None:
-        state["segment_buckets"] = index.segment_buckets.cpu().clone()
-        state["segment_counters"] = index._segment_stats.cpu().clone()
-    state = {k: v.to(index.device) for k, v in state.items()}
+    state = _index_state(index, torch.cat(keys), torch.cat(slots), torch.cat(scores), geometry, index_counters)
     return state if index.same_geometry(state) else None
 
 
-def _build_engine(sample: Entry, parts: list[tuple[int | None, dict, Entry]], *, optimizer_state: bool, on_overflow: str, use_layout: bool) -> tuple[object, dict]:
+def _place_exact(
+    index, keys: torch.Tensor, segs: torch.Tensor | None, scores: torch.Tensor, slots: torch.Tensor, *, evict: bool, optional: torch.Tensor
+) -> torch.Tensor:
+    """Slots for keys that a batch insert left out, by cuckoo paths.
+
+    Each key left out (``slots`` [K] is -1; keys [K] with segments, scores [K]), in priority
+    order (higher score, then smaller key), reaches a free slot along a shortest chain of keys
+    that move to their other bucket. A key that can reach none fails, or with ``evict`` replaces
+    the lowest-priority key it can reach if that one ranks below it. ``optional`` [K] keys
+    (beyond a table's capacity, below every other key) only take slots left free, and are
+    given up after a few misses. Host-side and per key: meant for the few keys a batch insert
+    cannot place; only the buckets a search visits are read. Returns every key's slot (-1:
+    dropped).
+    """
+    W = index.bucket_capacity
+    b1, b2 = (b.tolist() for b in index._buckets(keys, segs))
+    key_list, score_list = keys.tolist(), scores.tolist()
+    seg_list = segs.tolist() if segs is not None else [0] * keys.numel()
+    optional_list = optional.tolist()
+    bucket_of = torch.where(slots >= 0, slots // W, -1)
+    by_bucket = torch.sort(bucket_of, stable=True)
+    sorted_buckets, sorted_keys = by_bucket.values.tolist(), by_bucket.indices.tolist()
+    members: dict[int, list[int]] = {}
+    # Free slots per segment, and how often in a row an optional key found none reachable.
+    S = index.num_segments if segs is not None else 1
+    placed = torch.bincount(segs[slots >= 0], minlength=S).tolist() if segs is not None else [int((slots >= 0).sum())]
+    free = [(index.segment_capacity(s) if segs is not None else index.capacity()) - placed[s] for s in range(S)]
+    misses = [0] * S
+
+    def held(b: int) -> list[int]:
+        if b not in members:
+            members[b] = sorted_keys[bisect.bisect_left(sorted_buckets, b) : bisect.bisect_right(sorted_buckets, b)]
+        return members[b]
+
+    def priority(i: int) -> tuple[int, int]:
+        return (score_list[i], -key_list[i])
+
+    left_out = sorted((bucket_of < 0).nonzero().squeeze(1).tolist(), key=lambda i: (-score_list[i], key_list[i]))
+    bucket = bucket_of.tolist()
+    dropped = []
+    for i in left_out:
+        s = seg_list[i]
+        if optional_list[i] and (free[s] == 0 or misses[s] >= 8):
+            dropped.append(i)
+            continue
+        parent: dict[int, tuple[int, int]] = {}
+        queue = collections.deque()
+        end = -1
+        if free[s] or evict:
+            for b in (b1[i], b2[i]):
+                if b not in parent:
+                    parent[b] = (-1, i)
+                    queue.append(b)
+        while queue and free[s]:
+            b = queue.popleft()
+            if len(held(b)) < W:
+                end = b
+                break
+            for r in held(b):
+                other = b2[r] if b1[r] == b else b1[r]
+                if other not in parent:
+                    parent[other] = (b, r)
+                    queue.append(other)
+        if end < 0:
+            misses[s] += optional_list[i]
+            if not evict or optional_list[i]:
+                dropped.append(i)
+                continue
+            # Every bucket it can reach is full: replace the lowest-priority key among them.
+            while queue:
+                b = queue.popleft()
+                for r in held(b):
+                    other = b2[r] if b1[r] == b else b1[r]
+                    if other not in parent:
+                        parent[other] = (b, r)
+                        queue.append(other)
+            victim = min((r for b in parent for r in held(b)), key=priority)
+            if priority(victim) >= priority(i):
+                dropped.append(i)
+                continue
+            end = bucket[victim]
+            held(end).remove(victim)
+            bucket[victim] = -1
+            dropped.append(victim)
+            free[s] += 1
+        misses[s] = 0
+        free[s] -= 1
+        b = end
+        while True:
+            prev, r = parent[b]
+            held(b).append(r)
+            bucket[r] = b
+            if prev < 0:
+                break
+            held(prev).remove(r)
+            b = prev
+    out = slots.clone()
+    for b, keys_in in members.items():
+        if keys_in:
+            out[torch.tensor(keys_in, device=out.device)] = b * W + torch.arange(len(keys_in), device=out.device)
+    if dropped:
+        out[torch.tensor(dropped, device=out.device)] = -1
+    return out
+
+
+def _build_engine(sample: Entry, parts: list[tuple[int | None, dict, Entry]], *, on_overflow: str, use_layout: bool) -> tuple[object, dict]:
     """A fresh engine for one DynamicTable or one collection group, filled with ``parts``
-    (segment, data, entry); returns it and the keys dropped per table."""
+    (segment, data with whole rows [K, D+S], entry); returns it and the keys dropped per table.
+    Raises CheckpointError (nothing changed) if keys do not fit and ``on_overflow`` is "raise"."""
     engine = sample.engine
-    fresh = TableEngine(engine.config, engine.optimizer) if isinstance(engine, TableEngine) else GroupEngine(engine.configs, engine.optimizer)
+    grouped = not isinstance(engine, TableEngine)
+
+    def new_engine():
+        return GroupEngine(engine.configs, engine.optimizer) if grouped else TableEngine(engine.config, engine.optimizer)
+
+    fresh = new_engine()
     device = fresh.device
-    D = fresh.embedding_dim
-    dropped = {}
+    names = [e.name for _, _, e in parts]
     keys = torch.cat([d["keys"] for _, d, _ in parts]).to(device)
     segs = torch.cat([torch.full((d["keys"].numel(),), 0 if s is None else s, dtype=torch.int64) for s, d, _ in parts]).to(device)
-    values = torch.cat([d["values"] if optimizer_state else d["values"][:, :D] for _, d, _ in parts]).to(device=device, dtype=fresh.store.dtype)
+    values = torch.cat([d["values"] for _, d, _ in parts]).to(device=device, dtype=fresh.store.dtype)
     scores = torch.cat([d["scores"] for _, d, _ in parts]).to(device)
+    lost = torch.empty(0, dtype=torch.int64, device=device)  # segments of the keys dropped
     with writable():
         state = None
         if use_layout:
-            if isinstance(fresh, TableEngine):
-                c = parts[0][1]["entry"]["counters"].get("index", [0, 0, 0, 0])
-            else:
-                c = [0, 0, 0, 0]
+            c = parts[0][1]["entry"]["counters"].get("index", [0, 0, 0, 0]) if not grouped else [0, 0, 0, 0]
             state = _layout_state(fresh, [(s, d) for s, d, _ in parts], c)
         if state is not None:
-            fresh.index.load_state_dict(state)
+            try:
+                fresh.index.load_state_dict(state)
+            except ValueError:
+                # A layout that does not hold together (a damaged file, verify=False): re-insert.
+                state = None
+        if state is not None:
             fresh.store.reserve(keys.numel())
-            rows = torch.arange(keys.numel(), device=device)
-            if values.shape[1] != fresh.width:
-                fresh.store.scatter(rows, fresh.new_rows(keys) if isinstance(fresh, TableEngine) else fresh.new_rows(keys, segs))
-            fresh.store.scatter(rows, values)
+            fresh.store.scatter(torch.arange(keys.numel(), device=device), values)
         elif keys.numel():
-            if isinstance(fresh, TableEngine):
-                order = torch.argsort(keys)
-                k, sc = keys.index_select(0, order), scores.index_select(0, order)
-                r = fresh.resolve(k, train=True, now=0, scores=sc, init_rows=values.shape[1] != fresh.width)
-                failed_segs = torch.zeros_like(r.failed_keys)
+            # The order resolve wants: by segment, then key.
+            if grouped:
+                (segs, keys), inverse, _ = unique_pairs(segs, keys)
+                order = torch.empty_like(inverse).index_copy_(0, inverse, torch.arange(inverse.numel(), device=device))
             else:
-                (us, k), inverse, _ = unique_pairs(segs, keys)
-                order = torch.empty_like(inverse).index_copy_(0, inverse, torch.arange(keys.numel(), device=device))
-                r = fresh.resolve(k, us, train=True, now=0, scores=scores.index_select(0, order), init_rows=values.shape[1] != fresh.width)
-                failed_segs = r.failed_segments
-            lost = r.failed_keys.numel() + r.evicted_keys.numel()
-            if lost and on_overflow != "evict":
-                names = [e.name for _, _, e in parts]
+                keys, order = torch.sort(keys)
+            values, scores = values.index_select(0, order), scores.index_select(0, order)
+            # Keys beyond a table's capacity cannot fit: only the highest-priority ones (higher
+            # score, then smaller key) go in first; the others may take slots left free.
+            keep = torch.ones_like(keys, dtype=torch.bool)
+            for s in torch.unique(segs).tolist():
+                members = (segs == s).nonzero().squeeze(1)
+                capacity = fresh.index.segment_capacity(s) if grouped else fresh.index.capacity()
+                if members.numel() > capacity:
+                    by_priority = torch.sort(scores.index_select(0, members), descending=True, stable=True).indices
+                    keep.index_fill_(0, members.index_select(0, by_priority[capacity:]), False)
+            if not bool(keep.all()) and on_overflow != "evict":
                 raise CheckpointError(
-                    f"{lost} of the {keys.numel()} keys of tables {names} do not fit (capacity or bucket overflow); "
+                    f"{int((~keep).sum())} of the {keys.numel()} keys of tables {names} exceed the tables' capacity; "
                     "load into larger tables, or pass on_overflow='evict' to keep the highest-scored keys"
                 )
-            ok = r.ok.nonzero().squeeze(1)
-            fresh.store.scatter(r.rows.index_select(0, ok), values.index_select(0, order).index_select(0, ok))
-            for s, _, e in parts:
-                dropped[e.name] = int((failed_segs == (0 if s is None else s)).sum()) if lost else 0
+            seg_arg = (segs[keep],) if grouped else ()
+            r = fresh.resolve(keys[keep], *seg_arg, train=True, now=0, scores=scores[keep], init_rows=False)
+            if bool(keep.all()) and not r.failed_keys.numel() and not r.evicted_keys.numel():
+                fresh.store.scatter(r.rows, values)
+            else:
+                # A batch insert does not always find a placement of a nearly full index even
+                # where one exists: place the keys it left out along cuckoo paths, then build
+                # the index from the slots found.
+                slots = torch.full_like(keys, -1)
+                slots[keep] = fresh.index._locate(keys[keep], *seg_arg)[0]
+                slots = _place_exact(fresh.index, keys, segs if grouped else None, scores, slots, evict=on_overflow == "evict", optional=~keep)
+                placed = slots >= 0
+                if not bool(placed.all()):
+                    if on_overflow != "evict":
+                        raise CheckpointError(
+                            f"{int((~placed).sum())} of the {keys.numel()} keys of tables {names} do not fit (bucket overflow); "
+                            "load into larger tables, or pass on_overflow='evict' to keep the highest-scored keys"
+                        )
+                    lost = segs[~placed]
+                    keys, segs, values, scores, slots = keys[placed], segs[placed], values[placed], scores[placed], slots[placed]
+                index = fresh.index
+                geometry = (index.num_buckets, index.bucket_capacity, index.max_buckets)
+                fresh = new_engine()
+                fresh.index.load_state_dict(_index_state(fresh.index, keys, slots, scores, geometry, [0, 0, 0, 0]))
+                fresh.store.reserve(keys.numel())
+                fresh.store.scatter(torch.arange(keys.numel(), device=device), values)
         fresh.version += 1
-    for _, _, e in parts:
-        dropped.setdefault(e.name, 0)
+    dropped = {e.name: int((lost == (0 if s is None else s)).sum()) for s, _, e in parts}
     return fresh, dropped
 
 
@@ -506,6 +652,17 @@ def load(
                     f"({engine.state_dim}): pass optimizer_state=False to load embeddings only",
                     last_dir,
                 )
+        if not optimizer_state:
+            # Embeddings with the model's initial optimizer state: whole rows [K, D+S].
+            state = torch.empty(d["keys"].numel(), engine.state_dim, dtype=d["values"].dtype)
+            if e.optimizer is not None:
+                e.optimizer.init_state(state)
+            d["values"] = torch.cat([d["values"][:, : d["D"]], state], 1)
+        gen = d.get("generator")
+        if gen is not None and gen.numel() != e.generator.get_state().numel():
+            raise CheckpointError(f"table {name!r}: {gen.numel()} bytes, not a {e.engine.device.type} generator state", d["generator_path"])
+        if e.admission is not None:
+            d["admission"] = _admission(e, d)
         if owns is not None:
             mask = owns(d["keys"])
             if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != d["keys"].shape:
@@ -543,8 +700,8 @@ def load(
                     rows = torch.cat([c[1] for c in chunks]) if chunks else torch.empty(0, dtype=torch.int64)
                     sc = torch.cat([c[2] for c in chunks]).cpu() if chunks else torch.empty(0, dtype=torch.int64)
                     vals = engine.store.gather(rows.to(engine.device)).cpu()
-                    parts.append((s, {"keys": k, "values": vals if optimizer_state else vals[:, : engine.embedding_dim], "scores": sc}, e))
-            fresh, dropped = _build_engine(members[0], parts, optimizer_state=optimizer_state, on_overflow=on_overflow, use_layout=use_layout and all(e.name in data for e in members))
+                    parts.append((s, {"keys": k, "values": vals, "scores": sc}, e))
+            fresh, dropped = _build_engine(members[0], parts, on_overflow=on_overflow, use_layout=use_layout and all(e.name in data for e in members))
             plans.append((members, fresh, parts))
             for _, d, e in parts:
                 if e.name in data:
@@ -555,13 +712,30 @@ def load(
         # Swap in.
         for members, fresh, parts in plans:
             _install(members, fresh, parts, data, optimizer_state)
+        # A delta can follow this checkpoint only where the tables now hold exactly its content.
+        exact = {id(e.module) for e in es}
         for e in es:
-            if e.name in data or not strict:
-                e.module._checkpoint_id = last["id"]
+            if e.name not in data or report[e.name]["dropped"] or owns is not None or not optimizer_state:
+                exact.discard(id(e.module))
+        for e in es:
+            e.module._checkpoint_id = last["id"] if id(e.module) in exact else None
             changes = e.engine.changes
             if changes is None:
                 e.engine.changes = ChangeLog(0, e.engine.device)
     return report
+
+
+def _admission(e: Entry, d: dict):
+    """A new admission counter for table ``e`` holding the checkpoint's counts (empty if the
+    checkpoint has none)."""
+    current = e.admission
+    adm = FrequencyAdmission(e.config.admission, current.counts.device)
+    if d.get("admission") is not None:
+        try:
+            adm.load_state_dict(d["admission"])
+        except (ValueError, KeyError, RuntimeError, TypeError) as error:
+            raise CheckpointError(f"table {e.name!r}: not an admission counter state ({error})", d["admission_path"]) from None
+    return adm
 
 
 def _install(members: list[Entry], fresh, parts, data: dict, optimizer_state: bool) -> None:
@@ -569,6 +743,13 @@ def _install(members: list[Entry], fresh, parts, data: dict, optimizer_state: bo
     module = first.module
     for s, d, e in parts:
         if e.name not in data:
+            # A table of the group that the checkpoint does not hold (strict=False) keeps its
+            # step count, counters and generator.
+            old = e.engine
+            fresh.optimizer_steps[s] = old.optimizer_steps[s]
+            fresh.nonfinite_grads[s] = old.nonfinite_grads[s]
+            fresh.initializers[s].generator.set_state(old.initializers[s].generator.get_state())
+            fresh.index._segment_stats[:, s] = old.index._segment_stats[:, s]
             continue
         c = d["entry"]["counters"]
         gen = d.get("generator")
@@ -595,9 +776,15 @@ def _install(members: list[Entry], fresh, parts, data: dict, optimizer_state: bo
             module.step = c["step"]
             module._last_timestamp = c["last_timestamp"]
             module._erased[t] = c["erased"]
-        adm = d.get("admission")
-        if e.admission is not None and adm is not None:
-            e.admission.load_state_dict(adm)
+        if e.admission is not None:
+            if first.table is None:
+                module.admission = d["admission"]
+            else:
+                module.admissions[module.table_names.index(e.table)] = d["admission"]
+    if first.table is not None:
+        # The group index's own totals are the sums over its tables (segments do not grow).
+        totals = fresh.index._segment_stats.sum(1).tolist()
+        fresh.index._stats.update(inserts=totals[0], evictions=totals[1], failed_inserts=totals[2])
     if first.table is None:
         module.engine = fresh
         if getattr(module, "_pending", None) is not None:
