@@ -236,7 +236,9 @@ def save_delta(model: torch.nn.Module, path, *, base, chunk_rows: int = 1 << 16,
     """
     base_dir = _files.resolve_dir(base)
     manifest = _files.read_manifest(base_dir)
-    return _save(model, path, delta_of=(base_dir, manifest), chunk_rows=chunk_rows, overwrite=overwrite, layout=False, dense=dense, progress=progress)
+    # The delta names the base by the path given, not by where it was found (a replacing save
+    # killed between its renames leaves it under a temporary name for a while).
+    return _save(model, path, delta_of=(Path(base), manifest), chunk_rows=chunk_rows, overwrite=overwrite, layout=False, dense=dense, progress=progress)
 
 
 # -- loading -----------------------------------------------------------------------------------
@@ -661,6 +663,13 @@ def load(
         gen = d.get("generator")
         if gen is not None and gen.numel() != e.generator.get_state().numel():
             raise CheckpointError(f"table {name!r}: {gen.numel()} bytes, not a {e.engine.device.type} generator state", d["generator_path"])
+        if gen is not None:
+            # torch checks the state itself when it is set: try it on a scratch generator now,
+            # not while the tables are being swapped in.
+            try:
+                torch.Generator(device=e.generator.device).set_state(gen)
+            except RuntimeError as err:
+                raise CheckpointError(f"table {name!r}: not a valid generator state ({err})", d["generator_path"]) from None
         if e.admission is not None:
             d["admission"] = _admission(e, d)
         if owns is not None:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import datetime
+import glob
 import hashlib
 import json
 import os
 import re
 import shutil
 import struct
+import time
 import uuid
 from pathlib import Path
 
@@ -51,8 +54,13 @@ def _safetensors_pieces(tensors: dict[str, torch.Tensor]):
         view = memoryview(raw.numpy())
         for start in range(0, len(view), _PIECE):
             yield view[start : start + _PIECE]
+
+
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+DENSE = "dense.safetensors"
+# ``sha256sum`` line of manifest.json: the manifest's own numbers (counters, steps) are checked too.
+MANIFEST_SHA = "manifest.sha256"
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
@@ -87,7 +95,9 @@ class Writer:
 
     def __init__(self, path: str | os.PathLike, overwrite: bool = False):
         self.path = Path(path)
-        if self.path.exists() and not overwrite:
+        if self.path.name.startswith("."):
+            raise ValueError(f"path={str(path)!r}: a checkpoint's name must not start with '.' (those are temporary or replaced saves)")
+        if (self.path.exists() or _aside(self.path)) and not overwrite:
             raise FileExistsError(f"{self.path}: exists; pass overwrite=True to replace it, or save to a new path")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = self.path.parent / f".{self.path.name}.tmp-{new_id()[:12]}"
@@ -124,35 +134,49 @@ class Writer:
     def commit(self, manifest: dict) -> None:
         """Write the manifest, fsync everything, and rename the directory into place."""
         data = json.dumps(manifest, indent=1, sort_keys=False).encode()
-        with open(self.tmp / MANIFEST, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        for name, content in ((MANIFEST, data), (MANIFEST_SHA, f"{hashlib.sha256(data).hexdigest()}  {MANIFEST}\n".encode())):
+            with open(self.tmp / name, "wb") as f:
+                f.write(content)
+                f.flush()
+                os.fsync(f.fileno())
         for folder, _, _ in os.walk(self.tmp):
             _fsync_dir(Path(folder))
-        old = None
+        # At most one checkpoint is ever left aside: older ones (from killed saves) go first,
+        # while ``path`` still holds the current checkpoint.
+        aside = _aside(self.path)
         if self.path.exists():
-            old = self.path.parent / f".{self.path.name}.old-{new_id()[:12]}"
-            os.rename(self.path, old)
+            for old in aside:
+                shutil.rmtree(old, ignore_errors=True)
+            aside = [self.path.parent / f".{self.path.name}.old-{time.time_ns():020d}{new_id()[:8]}"]
+            os.rename(self.path, aside[0])
         os.rename(self.tmp, self.path)
         _fsync_dir(self.path.parent)
-        if old is not None:
+        for old in aside:
             shutil.rmtree(old, ignore_errors=True)
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+def _aside(path: Path) -> list[Path]:
+    """Checkpoints that replacing saves of ``path`` renamed aside (``.<name>.old-<time>...``),
+    oldest first."""
+    if not path.parent.is_dir():
+        return []
+    return sorted(p for p in path.parent.glob(f".{glob.escape(path.name)}.old-*") if (p / MANIFEST).is_file())
+
+
 def resolve_dir(path: str | os.PathLike) -> Path:
     """The checkpoint directory at ``path``; if a replacing save was killed between its two
     renames, the previous checkpoint left aside under ``.<name>.old-*`` is used."""
     path = Path(path)
+    if path.name.startswith(".") and path.name != "..":
+        raise CheckpointError("a name starting with '.' is a temporary or replaced save, not a checkpoint", path)
     if path.is_dir():
         return path
-    old = sorted(path.parent.glob(f".{path.name}.old-*")) if path.parent.is_dir() else []
-    for candidate in old:
-        if (candidate / MANIFEST).is_file():
-            return candidate
+    aside = _aside(path)
+    if aside:
+        return aside[-1]
     raise CheckpointError("no checkpoint directory here", path)
 
 
@@ -161,9 +185,15 @@ def read_manifest(directory: Path) -> dict:
     file = directory / MANIFEST
     if not file.is_file():
         raise CheckpointError("missing manifest.json (not a checkpoint, or an unfinished save)", file)
+    data = file.read_bytes()
+    sha_file = directory / MANIFEST_SHA
+    if not sha_file.is_file():
+        raise CheckpointError(f"missing {MANIFEST_SHA} (the manifest's checksum)", sha_file)
+    if sha_file.read_bytes() != f"{hashlib.sha256(data).hexdigest()}  {MANIFEST}\n".encode():
+        raise CheckpointError(f"SHA-256 of {MANIFEST} differs from {MANIFEST_SHA} (the manifest is corrupted or was edited)", file)
     try:
-        manifest = json.loads(file.read_bytes())
-    except (ValueError, UnicodeDecodeError) as e:
+        manifest = json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"manifest is not valid JSON ({e})", file) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"manifest 'format' is not {FORMAT!r}", file)
@@ -175,12 +205,43 @@ def read_manifest(directory: Path) -> dict:
     tables = manifest.get("tables")
     if not isinstance(tables, dict):
         raise CheckpointError("manifest 'tables' must be an object", file)
+    full = manifest["kind"] == "full"
     for name, entry in tables.items():
-        _check_table_entry(file, name, entry)
+        _check_table_entry(file, name, entry, full)
+    chain, base = manifest.get("chain"), manifest.get("base")
+    if not isinstance(chain, list) or not all(isinstance(c, str) for c in chain):
+        raise CheckpointError("manifest 'chain' must be a list of ids", file)
+    if full and (base is not None or chain):
+        raise CheckpointError("a full checkpoint has 'base' null and 'chain' empty (is it a delta?)", file)
+    if not full and not (isinstance(base, dict) and isinstance(base.get("id"), str) and isinstance(base.get("path"), str) and chain):
+        raise CheckpointError("a delta needs 'base' {id, path} and a non-empty 'chain'", file)
+    dense = manifest.get("dense")
+    if dense is not None and not (
+        isinstance(dense, dict)
+        and dense.get("path") == DENSE
+        and dense.get("role") == "dense"
+        and isinstance(dense.get("sha256"), str)
+        and _is_count(dense.get("bytes"))
+    ):
+        raise CheckpointError(f"manifest 'dense' entry {dense!r} is malformed (path {DENSE!r}, role 'dense', bytes, sha256)", file)
     return manifest
 
 
-def _check_table_entry(file: Path, name: str, entry) -> None:
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+# File names per role (docs/format.md "Directory"); a role a checkpoint kind does not have is absent.
+_ROLE_NAMES = {
+    "rows": re.compile(r"rows-\d{6}\.safetensors"),
+    "tombstones": re.compile(r"tombstones-\d{6}\.safetensors"),
+    "admission": re.compile(r"admission\.safetensors"),
+    "generator": re.compile(r"generator\.safetensors"),
+    "layout": re.compile(r"layout\.safetensors"),
+}
+
+
+def _check_table_entry(file: Path, name: str, entry, full: bool) -> None:
     def need(ok: bool, what: str) -> None:
         if not ok:
             raise CheckpointError(f"table {name!r}: {what}", file)
@@ -190,23 +251,38 @@ def _check_table_entry(file: Path, name: str, entry) -> None:
         need(isinstance(entry.get(key), int) and not isinstance(entry.get(key), bool) and entry[key] >= 0, f"'{key}' must be an int >= 0")
     need(entry["embedding_dim"] >= 1, "'embedding_dim' must be >= 1")
     need(entry.get("dtype") in ("float32", "float64", "bfloat16"), f"'dtype'={entry.get('dtype')!r} is not float32, float64 or bfloat16")
-    need(isinstance(entry.get("counters"), dict) and all(isinstance(v, (int, list)) for v in entry["counters"].values()), "'counters' must be an object of ints")
+    need(
+        isinstance(entry.get("counters"), dict)
+        and all(_is_count(v) or (isinstance(v, list) and all(_is_count(x) for x in v)) for v in entry["counters"].values()),
+        "'counters' must be an object of ints >= 0 (or lists of them)",
+    )
+    optimizer = entry.get("optimizer")
+    need(
+        optimizer is None or (isinstance(optimizer, dict) and isinstance(optimizer.get("type"), str) and isinstance(optimizer.get("hyper_parameters"), dict)),
+        f"'optimizer'={optimizer!r} must be null or {{type, hyper_parameters}}",
+    )
     files = entry.get("files")
     need(isinstance(files, list), "'files' must be a list")
     prefix = table_dir(name) + "/"
     for f in files:
         need(
             isinstance(f, dict)
+            and isinstance(f.get("role"), str)
+            and f["role"] in _ROLE_NAMES
             and isinstance(f.get("path"), str)
             and f["path"].startswith(prefix)
-            and ".." not in f["path"]
+            and _ROLE_NAMES[f["role"]].fullmatch(f["path"][len(prefix) :]) is not None
             and isinstance(f.get("sha256"), str)
-            and isinstance(f.get("bytes"), int)
-            and f.get("role") in ("rows", "tombstones", "admission", "generator", "layout"),
-            f"file entry {f!r} is malformed (path under {prefix}, role, bytes, sha256)",
+            and _is_count(f.get("bytes")),
+            f"file entry {f!r} is malformed (role, path {prefix}<name of the role>, bytes, sha256)",
         )
         if f["role"] in ("rows", "tombstones"):
-            need(isinstance(f.get("rows"), int) and f["rows"] >= 0, f"file {f['path']!r}: 'rows' must be an int >= 0")
+            need(_is_count(f.get("rows")), f"file {f['path']!r}: 'rows' must be an int >= 0")
+    paths = [f["path"] for f in files]
+    need(len(set(paths)) == len(paths), "a file is listed twice")
+    roles = collections.Counter(f["role"] for f in files)
+    need(roles["generator"] == 1 and roles["admission"] <= 1 and roles["layout"] <= 1, "needs one generator file and at most one admission and one layout file")
+    need(not (full and roles["tombstones"]) and not (not full and roles["layout"]), "a full checkpoint has no tombstones, a delta no layout")
     rows = sum(f["rows"] for f in files if f["role"] == "rows")
     tombs = sum(f["rows"] for f in files if f["role"] == "tombstones")
     need(rows == entry["rows"], f"'rows'={entry['rows']} but its rows files hold {rows}")
@@ -216,25 +292,27 @@ def _check_table_entry(file: Path, name: str, entry) -> None:
 def verify_files(directory: Path, manifest: dict) -> None:
     """Every listed file exists with its size and SHA-256; no other file is present."""
     listed = set()
-    for name, entry in manifest["tables"].items():
-        for f in entry["files"]:
-            listed.add(f["path"])
-            path = directory / f["path"]
-            if not path.is_file():
-                raise CheckpointError(f"missing (listed in the manifest for table {name!r})", path)
-            size = path.stat().st_size
-            if size != f["bytes"]:
-                raise CheckpointError(f"has {size} bytes, the manifest says {f['bytes']} (truncated or replaced)", path)
-            digest = hashlib.sha256()
-            with open(path, "rb") as fh:
-                for block in iter(lambda: fh.read(1 << 24), b""):
-                    digest.update(block)
-            if digest.hexdigest() != f["sha256"]:
-                raise CheckpointError("SHA-256 differs from the manifest (corrupted)", path)
+    owned = [(name, f) for name, entry in manifest["tables"].items() for f in entry["files"]]
+    if manifest.get("dense") is not None:
+        owned.append(("(dense)", manifest["dense"]))
+    for name, f in owned:
+        listed.add(f["path"])
+        path = directory / f["path"]
+        if not path.is_file():
+            raise CheckpointError(f"missing (listed in the manifest for table {name!r})", path)
+        size = path.stat().st_size
+        if size != f["bytes"]:
+            raise CheckpointError(f"has {size} bytes, the manifest says {f['bytes']} (truncated or replaced)", path)
+        digest = hashlib.sha256()
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 24), b""):
+                digest.update(block)
+        if digest.hexdigest() != f["sha256"]:
+            raise CheckpointError("SHA-256 differs from the manifest (corrupted)", path)
     for root, _, names in os.walk(directory):
         for n in names:
             rel = Path(root, n).relative_to(directory).as_posix()
-            if rel != MANIFEST and rel not in listed:
+            if rel not in (MANIFEST, MANIFEST_SHA) and rel not in listed:
                 raise CheckpointError("not listed in the manifest (extra file)", Path(root, n))
 
 
