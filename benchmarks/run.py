@@ -1,12 +1,14 @@
 """dynemb benchmarks: one entry point for the named workloads.
 
-    python benchmarks/run.py                     # W1, W1-evict and W2, full size (~10 min on 2 CPU cores)
+    python benchmarks/run.py                     # W1, W1-evict, W2 and W3, full size (~12 min on 2 CPU cores)
     python benchmarks/run.py --quick             # smoke run (< 1 min)
     python benchmarks/run.py --workload W1 --steps 10 --repeats 3
 
 W1  train step, Zipf(1.05) int64 ids, D=128: dynemb vs torch.nn.Embedding(sparse=True), steps/s.
 W1-evict  the same with the dynemb table at 1/4 of the stream's keys: full, evicting every step.
 W2  KeyIndex find / find_or_insert at load 0.5 and 0.9 vs a Python dict (and a sorted array), keys/s.
+W3  train step of 26 Criteo-like features, batch 4,096, row-wise Adagrad: DynamicEmbeddingBagCollection
+    vs a Python loop over 26 DynamicEmbeddingBag vs FBGEMM's TBE (TorchRec's fused EBC kernel), steps/s.
 
 Every contender is measured against its reference in the same process and repeat; records are
 appended as JSON lines to --out and summarised as a table (see docs/benchmarks.md).
@@ -42,18 +44,18 @@ GLIBC_KEEP = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
 DOCS_MARKERS = "<!-- results{tag}:begin -->", "<!-- results{tag}:end -->"
 
 # (steps, repeats) per workload; W1 also warms up and profiles a few steps.
-FULL = {"W1": (20, 7), "W1-evict": (20, 7), "W2": (30, 5)}
-QUICK = {"W1": (3, 2), "W1-evict": (3, 2), "W2": (5, 2)}
+FULL = {"W1": (20, 7), "W1-evict": (20, 7), "W2": (30, 5), "W3": (20, 7)}
+QUICK = {"W1": (3, 2), "W1-evict": (3, 2), "W2": (5, 2), "W3": (3, 2)}
 DEFAULT_MAX_RETRIES = 3
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", choices=("W1", "W1-evict", "W2", "all"), default="all")
-    p.add_argument("--steps", type=int, help="timed steps (W1) or calls (W2) per repeat and contender")
+    p.add_argument("--workload", choices=("W1", "W1-evict", "W2", "W3", "all"), default="all")
+    p.add_argument("--steps", type=int, help="timed steps (W1, W3) or calls (W2) per repeat and contender")
     p.add_argument("--repeats", type=int, help="repeats; each times every contender once")
     p.add_argument("--quick", action="store_true", help="few steps and repeats: a smoke run")
-    p.add_argument("--no-profile", action="store_true", help="skip W1's phase profile of the dynemb step")
+    p.add_argument("--no-profile", action="store_true", help="skip the phase profiles of the dynemb steps (W1, W3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--allocator",
@@ -128,7 +130,50 @@ def _docs_section(records: list[dict], env: dict, command: str, seconds: float) 
     ]
     for workload in ("W1", "W1-evict"):
         lines += _w1_lines(workload, records)
+    lines += _w3_lines(records)
     return "\n".join(lines)
+
+
+def _w3_lines(records: list[dict]) -> list[str]:
+    """W3: the second ratio (collection / TBE), keys and tables, parity, then the phase profile."""
+    w3 = [r for r in records if r["workload"] == "W3" and r["extra"].get("ratios")]
+    if not w3:
+        return []
+    r = w3[0]
+    e = r["extra"]
+    tbe = next(x for vs, x in e["ratios"].items() if vs != r["ratio"]["vs"])
+    p, s = e["parity_max_abs_diff"], e["stats"]
+    lines = [
+        "",
+        (
+            f"W3: {e['features']} features x {e['batch']} samples = {e['ids_per_step']} ids per step, "
+            f"{e['unique_keys_per_step']:.0f} distinct (feature, key) pairs per timed step; the TBE holds "
+            f"{sum(e['num_keys'])} rows (every key of the pre-generated stream). Collection / {tbe['vs']}: "
+            f"{tbe['median']:.2f} [{tbe['min']:.2f}, {tbe['max']:.2f}]. Collection tables after the timed steps: "
+            f"size {s['size']}, inserts {s['inserts']}, evictions {s['evictions']}, failed inserts {s['failed_inserts']}. "
+            f"Parity max abs diff: collection vs loop outputs {p['loop_outputs']:.1e}, rows {p['loop_rows']:.1e}; "
+            f"collection vs TBE rows {p['tbe_rows']:.1e}."
+        ),
+    ]
+    prof = [x for x in records if x["workload"] == "W3-profile"]
+    if prof:
+        others = max((x["extra"].get("others_cpu_share") or 0.0) for x in prof)
+        lines += [
+            "",
+            f"W3 collection step, exclusive wall time per phase, median over the profiled steps (others used at most {others:.0%} of the CPUs):",
+            "",
+        ]
+        phases = [x["contender"].removeprefix("collection:") for x in prof]
+        rows = [
+            [
+                "· " * path.count("/") + path.rsplit("/", 1)[-1] + (" (own)" if any(q.startswith(path + "/") for q in phases) else ""),
+                f"{x['median'] * 1e3:.1f} ({x['extra']['share']:.0%})",
+            ]
+            for path, x in zip(phases, prof)
+        ]
+        rows.append(["**sum**", f"{sum(x['median'] for x in prof) * 1e3:.1f}"])
+        lines.append(harness.markdown_table(["phase", "ms (share)"], rows))
+    return lines
 
 
 def _w1_lines(workload: str, records: list[dict]) -> list[str]:
@@ -270,6 +315,21 @@ def main(argv: list[str]) -> int:
         steps, repeats = _sizes(args, "W2")
         records += w2_index.run(
             w2_index.W2Config(steps=steps, repeats=repeats, max_retries=_max_retries(args, repeats), seed=args.seed),
+            env,
+        )
+    if args.workload in ("W3", "all"):
+        import w3_collection  # imported here: it needs the collection API and torchrec / fbgemm_gpu
+
+        steps, repeats = _sizes(args, "W3")
+        records += w3_collection.run(
+            w3_collection.W3Config(
+                steps=steps,
+                repeats=repeats,
+                warmup=2 if args.quick else 5,
+                profile_steps=0 if args.no_profile else (2 if args.quick else 5),
+                max_retries=_max_retries(args, repeats),
+                seed=args.seed,
+            ),
             env,
         )
     seconds = time.perf_counter() - t0
