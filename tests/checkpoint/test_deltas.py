@@ -221,3 +221,24 @@ def test_delta_chain_with_a_broken_link_raises(tmp_path):
     shutil.rmtree(tmp_path / "full2")
     with pytest.raises(dynemb.CheckpointError, match="full2"):
         dynemb.checkpoint.load(Model("sgd", "step"), tmp_path / "d2")
+
+
+def test_no_delta_after_a_state_dict_load(tmp_path):
+    """load_state_dict replaces a table's rows in place (same geometry): a delta on the
+    checkpoint saved before would miss that change, so it is refused."""
+
+    def make(seed):
+        return dynemb.DynamicEmbedding(4, 48, optimizer=dynemb.optim.SGD(lr=0.1), score_strategy="step", bucket_capacity=8, seed=seed)
+
+    table, other = make(3), make(4)
+    table(torch.arange(30)).sum().backward()
+    other(torch.arange(20, 60)).sum().backward()
+    dynemb.checkpoint.save(table, tmp_path / "full")
+    table.load_state_dict(other.state_dict())
+    with pytest.raises(dynemb.CheckpointError, match="do not track changes"):
+        dynemb.checkpoint.save_delta(table, tmp_path / "delta", base=tmp_path / "full")
+    dynemb.checkpoint.save(table, tmp_path / "full2")
+    dynemb.checkpoint.save_delta(table, tmp_path / "delta", base=tmp_path / "full2")
+    restored = make(3)
+    dynemb.checkpoint.load(restored, tmp_path / "delta")
+    assert_equal(export(restored, None), export(table, None))

@@ -312,3 +312,51 @@ def test_a_full_table_reloads_by_reinsertion(how, seed, tmp_path):
     assert report["table"] == {"rows": table.size(), "dropped": 0}
     assert_equal(export(target, None), export(table, None))
     assert target.stats()["inserts"] == table.stats()["inserts"]
+
+
+def _keys_by_buckets(index, want: list[tuple[int, int]]) -> list[int]:
+    """Small keys whose candidate buckets are the given (unordered) pairs, one key per pair."""
+    keys = torch.arange(10_000)
+    b1, b2 = index._buckets(keys)
+    pairs = [tuple(sorted(p)) for p in zip(b1.tolist(), b2.tolist())]
+    out, used = [], set()
+    for p in want:
+        k = next(k for k, q in enumerate(pairs) if q == tuple(sorted(p)) and k not in used)
+        used.add(k)
+        out.append(k)
+    return out
+
+
+def test_cuckoo_paths_move_keys_and_evict_the_lowest_reachable():
+    """The placement behind warm starts, on a two-bucket index of width 2 (buckets 0 and 1):
+    a key left out reaches a free slot by moving a key to its other bucket, and with evict a key
+    with no free slot in reach replaces a lower-priority key it can reach."""
+    from dynemb.checkpoint import _place_exact
+    from dynemb.table.index import KeyIndex
+
+    index = KeyIndex(capacity=4, bucket_capacity=2, score_strategy="step")
+    assert (index.num_buckets, index.bucket_capacity) == (2, 2)
+    # Keys: a, b only in bucket 0; c movable (0 or 1); d only in bucket 1; h only in bucket 0.
+    a, b, c, d, h = _keys_by_buckets(index, [(0, 0), (0, 0), (0, 1), (1, 1), (0, 0)])
+    keys = torch.tensor([a, c, d, h])
+    scores = torch.tensor([9, 5, 5, 7])
+    no = torch.zeros(4, dtype=torch.bool)
+    # Bucket 0 full (a, c), bucket 1 has one free slot: h gets in by moving c to bucket 1.
+    slots = _place_exact(index, keys, None, scores, torch.tensor([0, 1, 2, -1]), evict=False, optional=no)
+    assert sorted((slots // 2).tolist()) == [0, 0, 1, 1] and (slots[1] // 2, slots[3] // 2) == (1, 0)
+    assert torch.unique(slots).numel() == 4
+
+    keys = torch.tensor([a, b, d, h])
+    scores = torch.tensor([9, 3, 5, 7])
+    slots = torch.tensor([0, 1, 2, -1])
+    # Bucket 0 holds a and b, neither can move: without evict h fails, with evict it replaces
+    # b (score 3 < 7), never a (9).
+    assert _place_exact(index, keys, None, scores, slots, evict=False, optional=no).tolist() == [0, 1, 2, -1]
+    got = _place_exact(index, keys, None, scores, slots, evict=True, optional=no)
+    assert got[1] == -1 and got[3] // 2 == 0 and got[0] // 2 == 0 and got[2] == 2
+    # A key below both residents is dropped instead.
+    scores = torch.tensor([9, 8, 5, 7])
+    assert _place_exact(index, keys, None, scores, slots, evict=True, optional=no).tolist() == [0, 1, 2, -1]
+    # An optional key (beyond capacity) only takes a free slot, never replaces.
+    scores = torch.tensor([9, 3, 5, 7])
+    assert _place_exact(index, keys, None, scores, slots, evict=True, optional=torch.tensor([False, False, False, True])).tolist() == [0, 1, 2, -1]

@@ -14,8 +14,6 @@ minus the tables, or ``dense=True`` to store ``model``'s other state_dict entrie
 
 from __future__ import annotations
 
-import bisect
-import collections
 import contextlib
 import os
 from collections.abc import Callable
@@ -38,6 +36,8 @@ from dynemb.workspace import writable
 __all__ = ["CheckpointError", "load", "save", "save_delta"]
 
 _DENSE = "dense.safetensors"
+# Buckets a key that finds no free slot searches for a lower-priority key to replace.
+_EVICT_SEARCH = 1 << 12
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -403,101 +403,163 @@ def _place_exact(
     Each key left out (``slots`` [K] is -1; keys [K] with segments, scores [K]), in priority
     order (higher score, then smaller key), reaches a free slot along a shortest chain of keys
     that move to their other bucket. A key that can reach none fails, or with ``evict`` replaces
-    the lowest-priority key it can reach if that one ranks below it. ``optional`` [K] keys
-    (beyond a table's capacity, below every other key) only take slots left free, and are
-    given up after a few misses. Host-side and per key: meant for the few keys a batch insert
-    cannot place; only the buckets a search visits are read. Returns every key's slot (-1:
-    dropped).
+    the lowest-priority key it can reach (among the first _EVICT_SEARCH buckets) if that one
+    ranks below it. ``optional`` [K] keys (beyond a table's capacity, below every other key)
+    only take slots left free, and are given up after a few misses. Meant for the few keys a
+    batch insert cannot place: the distance of every bucket to a free slot is computed on the
+    whole index (one pass per level), then each key walks its chain on the host. Returns every
+    key's slot (-1: dropped).
     """
-    W = index.bucket_capacity
-    b1, b2 = (b.tolist() for b in index._buckets(keys, segs))
-    key_list, score_list = keys.tolist(), scores.tolist()
-    seg_list = segs.tolist() if segs is not None else [0] * keys.numel()
-    optional_list = optional.tolist()
-    bucket_of = torch.where(slots >= 0, slots // W, -1)
-    by_bucket = torch.sort(bucket_of, stable=True)
-    sorted_buckets, sorted_keys = by_bucket.values.tolist(), by_bucket.indices.tolist()
-    members: dict[int, list[int]] = {}
-    # Free slots per segment, and how often in a row an optional key found none reachable.
+    W, NB = index.bucket_capacity, index.num_buckets
+    device = slots.device
+    b1, b2 = (b.cpu() for b in index._buckets(keys, segs))
+    keys, scores, slots = keys.cpu(), scores.cpu(), slots.cpu()
+    K = keys.numel()
+    bucket = torch.where(slots >= 0, slots // W, -1)  # [K] the bucket of each key, -1 if not placed
+    count = torch.bincount(bucket[bucket >= 0], minlength=NB)  # [NB] keys per bucket
+    seg = segs.cpu() if segs is not None else torch.zeros_like(keys)
     S = index.num_segments if segs is not None else 1
-    placed = torch.bincount(segs[slots >= 0], minlength=S).tolist() if segs is not None else [int((slots >= 0).sum())]
-    free = [(index.segment_capacity(s) if segs is not None else index.capacity()) - placed[s] for s in range(S)]
+    placed_per_seg = torch.bincount(seg[bucket >= 0], minlength=S).tolist()
+    free = [(index.segment_capacity(s) if segs is not None else index.capacity()) - placed_per_seg[s] for s in range(S)]
     misses = [0] * S
-
-    def held(b: int) -> list[int]:
-        if b not in members:
-            members[b] = sorted_keys[bisect.bisect_left(sorted_buckets, b) : bisect.bisect_right(sorted_buckets, b)]
-        return members[b]
+    b1l, b2l, keyl, scorel, segl, optl = b1.tolist(), b2.tolist(), keys.tolist(), scores.tolist(), seg.tolist(), optional.cpu().tolist()
+    NONE = 1 << 62
 
     def priority(i: int) -> tuple[int, int]:
-        return (score_list[i], -key_list[i])
+        return (scorel[i], -keyl[i])
 
-    left_out = sorted((bucket_of < 0).nonzero().squeeze(1).tolist(), key=lambda i: (-score_list[i], key_list[i]))
-    bucket = bucket_of.tolist()
-    dropped = []
-    for i in left_out:
-        s = seg_list[i]
-        if optional_list[i] and (free[s] == 0 or misses[s] >= 8):
-            dropped.append(i)
-            continue
-        parent: dict[int, tuple[int, int]] = {}
-        queue = collections.deque()
-        end = -1
-        if free[s] or evict:
-            for b in (b1[i], b2[i]):
-                if b not in parent:
-                    parent[b] = (-1, i)
-                    queue.append(b)
-        while queue and free[s]:
-            b = queue.popleft()
-            if len(held(b)) < W:
-                end = b
+    def move(r: int, to: int) -> None:
+        old = int(bucket[r])
+        if old >= 0:
+            count[old] -= 1
+        if to >= 0:
+            count[to] += 1
+        bucket[r] = to
+
+    def distances() -> tuple[list[int], list[int]]:
+        """Per bucket: moves to the nearest free slot, and the key to move out first (a
+        breadth-first search from the free buckets over keys grouped by their other bucket)."""
+        placed = (bucket >= 0).nonzero().squeeze(1)
+        src = bucket.index_select(0, placed)
+        alt = b1.index_select(0, placed) + b2.index_select(0, placed) - src
+        movable = alt != src
+        placed, src, alt = placed[movable], src[movable], alt[movable]
+        by_alt = torch.sort(alt)
+        ends = torch.searchsorted(by_alt.values, torch.arange(NB), right=True)
+        starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+        dist = torch.where(count < W, 0, NONE)
+        first = torch.full((NB,), K, dtype=torch.int64)
+        frontier = (count < W).nonzero().squeeze(1)
+        d = 0
+        while frontier.numel():
+            lo, n = starts.index_select(0, frontier), (ends - starts).index_select(0, frontier)
+            total = int(n.sum())
+            if total == 0:
                 break
-            for r in held(b):
-                other = b2[r] if b1[r] == b else b1[r]
-                if other not in parent:
-                    parent[other] = (b, r)
-                    queue.append(other)
-        if end < 0:
-            misses[s] += optional_list[i]
-            if not evict or optional_list[i]:
-                dropped.append(i)
-                continue
-            # Every bucket it can reach is full: replace the lowest-priority key among them.
-            while queue:
-                b = queue.popleft()
-                for r in held(b):
-                    other = b2[r] if b1[r] == b else b1[r]
-                    if other not in parent:
-                        parent[other] = (b, r)
-                        queue.append(other)
-            victim = min((r for b in parent for r in held(b)), key=priority)
-            if priority(victim) >= priority(i):
-                dropped.append(i)
-                continue
-            end = bucket[victim]
-            held(end).remove(victim)
-            bucket[victim] = -1
-            dropped.append(victim)
-            free[s] += 1
-        misses[s] = 0
-        free[s] -= 1
-        b = end
-        while True:
-            prev, r = parent[b]
-            held(b).append(r)
-            bucket[r] = b
-            if prev < 0:
-                break
-            held(prev).remove(r)
+            at = torch.repeat_interleave(lo - (torch.cumsum(n, 0) - n), n, output_size=total) + torch.arange(total)
+            moving = by_alt.indices.index_select(0, at)  # keys whose other bucket is in the frontier
+            sb = src.index_select(0, moving)
+            new = dist.index_select(0, sb) == NONE
+            sb, moving = sb[new], moving[new]
+            dist.index_fill_(0, sb, d + 1)
+            first.scatter_reduce_(0, sb, placed.index_select(0, moving), reduce="amin")
+            frontier = torch.unique(sb)
+            d += 1
+        return dist.tolist(), first.tolist()
+
+    def replace_lowest(i: int) -> bool:
+        """Evict the lowest-priority key reachable from i's buckets (below i) and move keys
+        along the chain to its bucket; False if there is none."""
+        placed = (bucket >= 0).nonzero().squeeze(1)
+        src = bucket.index_select(0, placed)
+        alt = b1.index_select(0, placed) + b2.index_select(0, placed) - src
+        visited = torch.zeros(NB, dtype=torch.bool)
+        parent = torch.full((NB,), K, dtype=torch.int64)
+        frontier = torch.unique(torch.tensor([b1l[i], b2l[i]]))
+        visited[frontier] = True
+        while frontier.numel() and int(visited.sum()) < _EVICT_SEARCH:
+            inside = torch.isin(src, frontier) & (alt != src)
+            to, who = alt[inside], placed[inside]
+            new = ~visited.index_select(0, to)
+            to, who = to[new], who[new]
+            parent.scatter_reduce_(0, to, who, reduce="amin")
+            visited.index_fill_(0, to, True)
+            frontier = torch.unique(to)
+        reached = placed[visited.index_select(0, src)]
+        if reached.numel() == 0:
+            return False
+        # Lowest priority: lowest score, then largest key.
+        low = reached[scores.index_select(0, reached) == scores.index_select(0, reached).min()]
+        victim = int(low[keys.index_select(0, low).argmax()])
+        if priority(victim) >= priority(i):
+            return False
+        b = int(bucket[victim])
+        move(victim, -1)
+        dropped.append(victim)
+        starts = {b1l[i], b2l[i]}
+        while b not in starts:
+            r = int(parent[b])
+            prev = int(bucket[r])
+            move(r, b)
             b = prev
-    out = slots.clone()
-    for b, keys_in in members.items():
-        if keys_in:
-            out[torch.tensor(keys_in, device=out.device)] = b * W + torch.arange(len(keys_in), device=out.device)
-    if dropped:
-        out[torch.tensor(dropped, device=out.device)] = -1
-    return out
+        move(i, b)
+        return True
+
+    left_out = sorted((bucket < 0).nonzero().squeeze(1).tolist(), key=lambda i: (-scorel[i], keyl[i]))
+    dropped: list[int] = []
+    dist, first = [], []
+    dirty: set[int] | None = None  # buckets changed since the distances were computed
+    for i in left_out:
+        s = segl[i]
+        if optl[i]:
+            if free[s] == 0 or misses[s] >= 8:
+                dropped.append(i)
+                continue
+        placed_it = False
+        while free[s]:
+            if dirty is None:
+                dist, first = distances()
+                dirty = set()
+            c = b1l[i] if dist[b1l[i]] <= dist[b2l[i]] else b2l[i]
+            stale = bool(dirty)
+            if dist[c] >= NONE:
+                if stale:
+                    dirty = None
+                    continue
+                break
+            chain, b = [], c
+            while dist[b] > 0 and b not in dirty:
+                r = first[b]
+                chain.append((r, b))
+                b = b1l[r] + b2l[r] - b
+            if b in dirty:
+                dirty = None
+                continue
+            # Move the chain's keys from the end back to c, then i into c.
+            for r, _ in reversed(chain):
+                move(r, b1l[r] + b2l[r] - int(bucket[r]))
+            move(i, c)
+            dirty.update(b for _, b in chain)
+            dirty.update((c, b))
+            placed_it = True
+            break
+        if placed_it:
+            free[s] -= 1
+            misses[s] = 0
+            continue
+        misses[s] += 1
+        if evict and not optl[i] and replace_lowest(i):
+            dirty = None
+            continue
+        dropped.append(i)
+    # Slots: each bucket's keys take its first slots, in key order.
+    out = torch.full((K,), -1, dtype=torch.int64)
+    placed = (bucket >= 0).nonzero().squeeze(1)
+    by_bucket = torch.sort(bucket.index_select(0, placed), stable=True)
+    start_of = torch.searchsorted(by_bucket.values, by_bucket.values, right=False)
+    rank = torch.arange(placed.numel()) - start_of
+    out[placed.index_select(0, by_bucket.indices)] = by_bucket.values * W + rank
+    return out.to(device)
 
 
 def _build_engine(sample: Entry, parts: list[tuple[int | None, dict, Entry]], *, on_overflow: str, use_layout: bool) -> tuple[object, dict]:

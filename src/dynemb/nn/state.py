@@ -104,6 +104,8 @@ def load_table_state(table, state: dict[str, torch.Tensor]) -> None:
         engine.nonfinite_grads = counters[1]
         engine.initializer.generator.set_state(generator_state)
         engine.version += 1
+        # Rows changed wholesale: a checkpoint delta on an earlier save would miss them.
+        engine.changes = None
         table.engine = engine
         table.step = scalars["step"]
         table._last_timestamp = scalars["last_timestamp"]
