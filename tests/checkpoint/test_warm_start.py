@@ -219,6 +219,30 @@ def test_not_strict_loads_the_common_tables_and_leaves_the_others(saved):
     assert_equal({n: t for n, t in contents(target).items() if n != "extra"}, {n: t for n, t in contents(model).items() if n != "bag"})
     assert_equal(export(target.extra, None), extra_before)
     assert target.extra.stats() == extra_stats
+    # The model is not the checkpoint's content (extra is not in it): no delta on it.
+    with pytest.raises(dynemb.CheckpointError):
+        dynemb.checkpoint.save_delta(target, path.parent / "delta-on-partial", base=path)
+
+
+@pytest.mark.parametrize("admission", [False, True])
+def test_admission_setting_may_differ(saved, admission, tmp_path):
+    """A checkpoint with admission counts loads into tables without admission (the counts are
+    dropped), and one without into tables with it (they start counting afresh)."""
+    model, path = saved
+    if not admission:
+        target = Model("adam", "lfu", False)
+        dynemb.checkpoint.load(target, path)
+        assert_equal(contents(target), contents(model))
+        return
+    plain = Model("adam", "lfu", False)
+    train(plain, range(4))
+    dynemb.checkpoint.save(plain, tmp_path / "plain")
+    target = Model("adam", "lfu", True)
+    train(target, range(20, 22))
+    dynemb.checkpoint.load(target, tmp_path / "plain")
+    assert_equal(contents(target), contents(plain))
+    assert all(a is not None and a["keys"].numel() == 0 for a in admission_state(target).values())
+    train(target, range(4, 6))
 
 
 def test_not_strict_keeps_a_collection_table_the_checkpoint_lacks(tmp_path):
