@@ -747,6 +747,13 @@ def load(
         if "dense" not in last:
             raise CheckpointError("dense=True but the checkpoint holds no dense state (saved without dense=True)", last_dir)
         dense_state = _files.read_tensors(last_dir, last["dense"], {k: (None, None) for k in load_file(last_dir / last["dense"]["path"])})
+        mine = _dense_state(model, es)
+        wrong = sorted(k for k in dense_state if k not in mine or mine[k].shape != dense_state[k].shape)
+        absent = sorted(k for k in mine if k not in dense_state)
+        if wrong or (strict and absent):
+            raise CheckpointError(
+                f"dense entries do not match the model: unknown or of another shape {wrong[:8]}, missing {absent[:8]}", last_dir / last["dense"]["path"]
+            )
 
     # Build every engine first; nothing in the model changes until all of them fit.
     use_layout = len(chain) == 1 and owns is None
@@ -778,8 +785,10 @@ def load(
                 if e.name in data:
                     report[e.name] = {"rows": int(d["keys"].numel()) - dropped[e.name], "dropped": dropped[e.name]}
         if dense_state is not None:
-            missing, unexpected = model.load_state_dict(dense_state, strict=False)
-            del missing, unexpected
+            # Copied in place into the model's own parameters and buffers (shapes checked above).
+            with torch.no_grad():
+                for k, v in dense_state.items():
+                    mine[k].copy_(v)
         # Swap in.
         for members, fresh, parts in plans:
             _install(members, fresh, parts, data, optimizer_state)
