@@ -270,17 +270,23 @@ def chain_of(path) -> list[tuple[Path, dict]]:
 
 
 def _read_table(chain: list[tuple[Path, dict]], name: str) -> dict:
-    """Merge a table's rows over the chain: keys [K], values [K, D+S], scores [K] (sorted by key)."""
+    """Merge a table's rows over the chain: keys [K], values [K, D+S], scores [K] (in file order).
+
+    The full checkpoint's rows are read into one preallocated block, file by file, so reading
+    needs memory for the table plus one file."""
     first = chain[0][1]["tables"][name]
     D, S, dtype = first["embedding_dim"], first["state_dim"], DTYPES[first["dtype"]]
     keys = torch.empty(0, dtype=torch.int64)
     values = torch.empty(0, D + S, dtype=dtype)
     scores = torch.empty(0, dtype=torch.int64)
-    for directory, manifest in chain:
+    for position, (directory, manifest) in enumerate(chain):
         entry = manifest["tables"][name]
         if (entry["embedding_dim"], entry["state_dim"], entry["dtype"]) != (D, S, first["dtype"]):
             raise CheckpointError(f"table {name!r}: embedding_dim / state_dim / dtype change along the delta chain", directory / _files.MANIFEST)
         new_k, new_v, new_s, tomb = [], [], [], []
+        # The full checkpoint's rows go straight into one block (its size is in the manifest).
+        block = torch.empty(entry["rows"], D + S, dtype=dtype) if position == 0 else None
+        filled = 0
         for f in entry["files"]:
             if f["role"] == "rows":
                 n = f["rows"]
@@ -288,16 +294,26 @@ def _read_table(chain: list[tuple[Path, dict]], name: str) -> dict:
                     directory, f, {"keys": (torch.int64, (n,)), "embeddings": (dtype, (n, D)), "optimizer_state": (dtype, (n, S)), "scores": (torch.int64, (n,))}
                 )
                 new_k.append(t["keys"])
-                new_v.append(torch.cat([t["embeddings"], t["optimizer_state"]], 1))
+                for part in (t["embeddings"], t["optimizer_state"]):
+                    # A sum is finite when every value is (overflow of finite values is checked exactly).
+                    if not (bool(torch.isfinite(part.sum())) or bool(torch.isfinite(part).all())):
+                        raise CheckpointError(f"table {name!r}: rows hold non-finite values", directory / f["path"])
+                if block is not None:
+                    block[filled : filled + n, :D] = t["embeddings"]
+                    block[filled : filled + n, D:] = t["optimizer_state"]
+                    filled += n
+                else:
+                    new_v.append(torch.cat([t["embeddings"], t["optimizer_state"]], 1))
                 new_s.append(t["scores"])
+                del t
             elif f["role"] == "tombstones":
                 tomb.append(_files.read_tensors(directory, f, {"keys": (torch.int64, (f["rows"],))})["keys"])
         add_k = torch.cat(new_k) if new_k else keys[:0]
         if torch.unique(add_k).numel() != add_k.numel():
             raise CheckpointError(f"table {name!r}: a key appears twice in its rows files", directory)
-        # A sum is finite when every value is (overflow of finite values is checked exactly).
-        if not all(bool(torch.isfinite(v.sum())) or bool(torch.isfinite(v).all()) for v in new_v):
-            raise CheckpointError(f"table {name!r}: rows hold non-finite values", directory)
+        if block is not None:
+            keys, values, scores = add_k, block, torch.cat(new_s) if new_s else scores
+            continue
         drop = torch.cat([*tomb, add_k]) if tomb else add_k
         if drop.numel() and keys.numel():
             keep = ~torch.isin(keys, drop)
@@ -306,7 +322,6 @@ def _read_table(chain: list[tuple[Path, dict]], name: str) -> dict:
             keys = torch.cat([keys, add_k])
             values = torch.cat([values, *new_v])
             scores = torch.cat([scores, *new_s])
-    order = torch.argsort(keys)
     last_dir, last = chain[-1]
     entry = last["tables"][name]
     extra = {}
@@ -325,16 +340,12 @@ def _read_table(chain: list[tuple[Path, dict]], name: str) -> dict:
                 extra["layout"] = load_file(last_dir / f["path"])
             except Exception as e:
                 raise CheckpointError(f"not a readable safetensors file ({e})", last_dir / f["path"]) from None
-    if "layout" in extra:
-        slots = extra["layout"].get("slots")
-        if isinstance(slots, torch.Tensor) and slots.shape == order.shape:
-            extra["layout"]["slots"] = slots[order]
-        else:
-            del extra["layout"]
+    if "layout" in extra and not (isinstance(extra["layout"].get("slots"), torch.Tensor) and extra["layout"]["slots"].shape == keys.shape):
+        del extra["layout"]
     return {
-        "keys": keys[order],
-        "values": values[order],
-        "scores": scores[order],
+        "keys": keys,
+        "values": values,
+        "scores": scores,
         "entry": entry,
         "D": D,
         "S": S,
@@ -577,7 +588,8 @@ def _build_engine(sample: Entry, parts: list[tuple[int | None, dict, Entry]], *,
     names = [e.name for _, _, e in parts]
     keys = torch.cat([d["keys"] for _, d, _ in parts]).to(device)
     segs = torch.cat([torch.full((d["keys"].numel(),), 0 if s is None else s, dtype=torch.int64) for s, d, _ in parts]).to(device)
-    values = torch.cat([d["values"] for _, d, _ in parts]).to(device=device, dtype=fresh.store.dtype)
+    # One table's block is used as it is (no copy); a group's tables are concatenated.
+    values = (parts[0][1]["values"] if len(parts) == 1 else torch.cat([d["values"] for _, d, _ in parts])).to(device=device, dtype=fresh.store.dtype)
     scores = torch.cat([d["scores"] for _, d, _ in parts]).to(device)
     lost = torch.empty(0, dtype=torch.int64, device=device)  # segments of the keys dropped
     with writable():
@@ -601,7 +613,8 @@ def _build_engine(sample: Entry, parts: list[tuple[int | None, dict, Entry]], *,
                 order = torch.empty_like(inverse).index_copy_(0, inverse, torch.arange(inverse.numel(), device=device))
             else:
                 keys, order = torch.sort(keys)
-            values, scores = values.index_select(0, order), scores.index_select(0, order)
+            # Values stay in file order: src[i] is the value row of the i-th key in resolve order.
+            src, scores = order, scores.index_select(0, order)
             # Keys beyond a table's capacity cannot fit: only the highest-priority ones (higher
             # score, then smaller key) go in first; the others may take slots left free.
             keep = torch.ones_like(keys, dtype=torch.bool)
@@ -619,7 +632,7 @@ def _build_engine(sample: Entry, parts: list[tuple[int | None, dict, Entry]], *,
             seg_arg = (segs[keep],) if grouped else ()
             r = fresh.resolve(keys[keep], *seg_arg, train=True, now=0, scores=scores[keep], init_rows=False)
             if bool(keep.all()) and not r.failed_keys.numel() and not r.evicted_keys.numel():
-                fresh.store.scatter(r.rows, values)
+                fresh.store.scatter(torch.empty_like(src).index_copy_(0, src, r.rows), values)
             else:
                 # A batch insert does not always find a placement of a nearly full index even
                 # where one exists: place the keys it left out along cuckoo paths, then build
@@ -635,13 +648,16 @@ def _build_engine(sample: Entry, parts: list[tuple[int | None, dict, Entry]], *,
                             "load into larger tables, or pass on_overflow='evict' to keep the highest-scored keys"
                         )
                     lost = segs[~placed]
-                    keys, segs, values, scores, slots = keys[placed], segs[placed], values[placed], scores[placed], slots[placed]
+                    keys, segs, src, scores, slots = keys[placed], segs[placed], src[placed], scores[placed], slots[placed]
                 index = fresh.index
                 geometry = (index.num_buckets, index.bucket_capacity, index.max_buckets)
                 fresh = new_engine()
                 fresh.index.load_state_dict(_index_state(fresh.index, keys, slots, scores, geometry, [0, 0, 0, 0]))
                 fresh.store.reserve(keys.numel())
-                fresh.store.scatter(torch.arange(keys.numel(), device=device), values)
+                if src.numel() == values.shape[0]:
+                    fresh.store.scatter(torch.empty_like(src).index_copy_(0, src, torch.arange(src.numel(), device=device)), values)
+                else:
+                    fresh.store.scatter(torch.arange(src.numel(), device=device), values.index_select(0, src))
         fresh.version += 1
     dropped = {e.name: int((lost == (0 if s is None else s)).sum()) for s, _, e in parts}
     return fresh, dropped
