@@ -269,7 +269,7 @@ def chain_of(path) -> list[tuple[Path, dict]]:
     return chain
 
 
-def _read_table(chain: list[tuple[Path, dict]], name: str) -> dict:
+def _read_table(chain: list[tuple[Path, dict]], name: str, check_hash: bool = False) -> dict:
     """Merge a table's rows over the chain: keys [K], values [K, D+S], scores [K] (in file order).
 
     The full checkpoint's rows are read into one preallocated block, file by file, so reading
@@ -291,7 +291,10 @@ def _read_table(chain: list[tuple[Path, dict]], name: str) -> dict:
             if f["role"] == "rows":
                 n = f["rows"]
                 t = _files.read_tensors(
-                    directory, f, {"keys": (torch.int64, (n,)), "embeddings": (dtype, (n, D)), "optimizer_state": (dtype, (n, S)), "scores": (torch.int64, (n,))}
+                    directory,
+                    f,
+                    {"keys": (torch.int64, (n,)), "embeddings": (dtype, (n, D)), "optimizer_state": (dtype, (n, S)), "scores": (torch.int64, (n,))},
+                    check_hash=check_hash,
                 )
                 new_k.append(t["keys"])
                 for part in (t["embeddings"], t["optimizer_state"]):
@@ -698,18 +701,22 @@ def load(
     if on_overflow not in ("raise", "evict"):
         raise ValueError(f"on_overflow={on_overflow!r}: must be 'raise' or 'evict'")
     chain = chain_of(path)
+    es = entries(model)
+    by_name = {e.name: e for e in es}
+    names = set(chain[-1][1]["tables"])
+    # Rows files of the tables read below are hashed as they are read (one read per file);
+    # every other file is hashed here.
+    read_here = names & set(by_name)
     bar = _progress(len(chain), "dynemb verify", progress)
     for directory, manifest in chain:
         if verify:
-            _files.verify_files(directory, manifest)
+            skip = {f["path"] for n in read_here for f in manifest["tables"][n]["files"] if f["role"] == "rows"}
+            _files.verify_files(directory, manifest, skip_paths=skip)
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
     last_dir, last = chain[-1]
-    es = entries(model)
-    by_name = {e.name: e for e in es}
-    names = set(last["tables"])
     if strict and set(by_name) != names:
         raise CheckpointError(
             f"tables differ: missing from the checkpoint {sorted(set(by_name) - names)}, not in the model {sorted(names - set(by_name))} "
@@ -719,7 +726,7 @@ def load(
     data = {}
     for name in sorted(names & set(by_name)):
         e = by_name[name]
-        d = _read_table(chain, name)
+        d = _read_table(chain, name, check_hash=verify)
         engine = e.engine
         if d["D"] != engine.embedding_dim:
             raise CheckpointError(f"table {name!r} has embedding_dim {d['D']}, the model's {engine.embedding_dim}", last_dir)

@@ -103,6 +103,7 @@ class Writer:
         self.tmp = self.path.parent / f".{self.path.name}.tmp-{new_id()[:12]}"
         self.tmp.mkdir()
         self.overwrite = overwrite
+        self._written: list[Path] = []
 
     def write_tensors(self, relative: str, tensors: dict[str, torch.Tensor], role: str, rows: int | None = None) -> dict:
         """Write one safetensors file; returns its manifest entry (path, role, rows, bytes, sha256).
@@ -124,8 +125,8 @@ class Writer:
                 pending = job
             if pending is not None:
                 pending.result()
-            f.flush()
-            os.fsync(f.fileno())
+        # fsynced together in commit(): the kernel writes this file back while the next is written.
+        self._written.append(target)
         entry = {"path": relative, "role": role, "bytes": size, "sha256": digest.hexdigest()}
         if rows is not None:
             entry["rows"] = rows
@@ -134,6 +135,12 @@ class Writer:
     def commit(self, manifest: dict) -> None:
         """Write the manifest, fsync everything, and rename the directory into place."""
         data = json.dumps(manifest, indent=1, sort_keys=False).encode()
+        for path in self._written:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         for name, content in ((MANIFEST, data), (MANIFEST_SHA, f"{hashlib.sha256(data).hexdigest()}  {MANIFEST}\n".encode())):
             with open(self.tmp / name, "wb") as f:
                 f.write(content)
@@ -289,8 +296,9 @@ def _check_table_entry(file: Path, name: str, entry, full: bool) -> None:
     need(tombs == entry["tombstones"], f"'tombstones'={entry['tombstones']} but its tombstones files hold {tombs}")
 
 
-def verify_files(directory: Path, manifest: dict) -> None:
-    """Every listed file exists with its size and SHA-256; no other file is present."""
+def verify_files(directory: Path, manifest: dict, skip_paths: set[str] | frozenset = frozenset()) -> None:
+    """Every listed file exists with its size and SHA-256 (except the files in ``skip_paths``,
+    whose hash the caller checks as it reads them); no other file is present."""
     listed = set()
     owned = [(name, f) for name, entry in manifest["tables"].items() for f in entry["files"]]
     if manifest.get("dense") is not None:
@@ -303,6 +311,8 @@ def verify_files(directory: Path, manifest: dict) -> None:
         size = path.stat().st_size
         if size != f["bytes"]:
             raise CheckpointError(f"has {size} bytes, the manifest says {f['bytes']} (truncated or replaced)", path)
+        if f["path"] in skip_paths:
+            continue
         digest = hashlib.sha256()
         with open(path, "rb") as fh:
             for block in iter(lambda: fh.read(1 << 24), b""):
@@ -316,12 +326,19 @@ def verify_files(directory: Path, manifest: dict) -> None:
                 raise CheckpointError("not listed in the manifest (extra file)", Path(root, n))
 
 
-def read_tensors(directory: Path, entry: dict, expected: dict[str, tuple]) -> dict[str, torch.Tensor]:
+def read_tensors(directory: Path, entry: dict, expected: dict[str, tuple], check_hash: bool = False) -> dict[str, torch.Tensor]:
     """Load one listed file and check its tensors: ``expected`` maps each name to (dtype or
-    None, shape with None for any size); nothing more, nothing less."""
+    None, shape with None for any size); nothing more, nothing less. With ``check_hash`` the
+    bytes read are checked against the entry's SHA-256 (one read for both)."""
     path = directory / entry["path"]
     try:
-        tensors = st_load(path.read_bytes())
+        data = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"not readable ({e})", path) from None
+    if check_hash and hashlib.sha256(data).hexdigest() != entry.get("sha256"):
+        raise CheckpointError("SHA-256 differs from the manifest (corrupted)", path)
+    try:
+        tensors = st_load(data)
     except (SafetensorError, ValueError, OSError) as e:
         raise CheckpointError(f"not a readable safetensors file ({e})", path) from None
     if set(tensors) != set(expected):
