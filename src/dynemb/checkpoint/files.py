@@ -104,6 +104,8 @@ class Writer:
         self.tmp.mkdir()
         self.overwrite = overwrite
         self._written: list[Path] = []
+        # (manifest entry, future of its hex digest): hashing runs behind the writes.
+        self._hashing: list[tuple[dict, concurrent.futures.Future]] = []
 
     def write_tensors(self, relative: str, tensors: dict[str, torch.Tensor], role: str, rows: int | None = None) -> dict:
         """Write one safetensors file; returns its manifest entry (path, role, rows, bytes, sha256).
@@ -115,25 +117,30 @@ class Writer:
         digest = hashlib.sha256()
         size = 0
         with open(target, "wb") as f:
-            pending = None
             for piece in _safetensors_pieces(tensors):
-                job = _HASHER.submit(digest.update, piece)
+                # The hashing thread keeps the pieces (and so the tensors) alive until hashed.
+                _HASHER.submit(digest.update, piece)
                 f.write(piece)
                 size += len(piece)
-                if pending is not None:
-                    pending.result()
-                pending = job
-            if pending is not None:
-                pending.result()
         # fsynced together in commit(): the kernel writes this file back while the next is written.
         self._written.append(target)
-        entry = {"path": relative, "role": role, "bytes": size, "sha256": digest.hexdigest()}
+        entry = {"path": relative, "role": role, "bytes": size, "sha256": None}
+        self._hashing.append((entry, _HASHER.submit(digest.hexdigest)))
+        # At most two files' buffers wait for the hasher: memory stays about one chunk.
+        while len(self._hashing) > 2:
+            self._settle_hash()
         if rows is not None:
             entry["rows"] = rows
         return entry
 
+    def _settle_hash(self) -> None:
+        entry, job = self._hashing.pop(0)
+        entry["sha256"] = job.result()
+
     def commit(self, manifest: dict) -> None:
         """Write the manifest, fsync everything, and rename the directory into place."""
+        while self._hashing:
+            self._settle_hash()
         data = json.dumps(manifest, indent=1, sort_keys=False).encode()
         for path in self._written:
             fd = os.open(path, os.O_RDONLY)
