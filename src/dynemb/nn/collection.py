@@ -34,7 +34,7 @@ from dynemb.nn.group import GroupEngine, GroupResolved, group_key
 from dynemb.optim.base import RowOptimizer
 from dynemb.table.index import unique_pairs
 from dynemb.types import CheckMode, PoolingMode, ScoreStrategy
-from dynemb.workspace import writable
+from dynemb.workspace import Workspace, writable
 
 _UPDATES = ("fused", "deferred")
 
@@ -47,6 +47,39 @@ class GroupLookup(Lookup):
     def __init__(self, owner, group: int, keys, segments, rows, data, version: int, repeatable: bool = False):
         super().__init__(owner, keys, rows, data, version, repeatable)
         self.group, self.segments = group, segments
+
+
+class _PooledBags(torch.autograd.Function):
+    """Pooled bags of a group [F_g * B, D] straight from its lookup's rows; backward sums the
+    bags' gradient per unique key (one index_add_) and hands it to the fused update.
+
+    Args of forward: trigger, lookup, inverse [N] (unique key of each id), offsets [F_g * B],
+    lengths [F_g * B], weights [N] or None, divisor [F_g * B] (mean bags) or None, D.
+    """
+
+    @staticmethod
+    def forward(ctx, trigger, lookup, inverse, offsets, lengths, weights, divisor, embedding_dim):
+        pooled = F.embedding_bag(inverse, lookup.data[:, :embedding_dim], offsets, mode="sum", per_sample_weights=weights)
+        if divisor is not None:
+            pooled.div_(divisor[:, None])
+        ctx.lookup, ctx.inverse, ctx.lengths, ctx.weights, ctx.divisor = lookup, inverse, lengths, weights, divisor
+        return pooled
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.divisor is not None:
+            grad = grad / ctx.divisor[:, None]
+        n = ctx.inverse.numel()
+        # The gradient of each id is its bag's: one row per id, in id order.
+        if n == ctx.lengths.numel() and bool((ctx.lengths == 1).all()):
+            per_id = grad
+        else:
+            bag_of_id = torch.repeat_interleave(torch.arange(ctx.lengths.numel(), device=grad.device), ctx.lengths, output_size=n)
+            per_id = grad.index_select(0, bag_of_id)
+        if ctx.weights is not None:
+            per_id = per_id * ctx.weights[:, None]
+        ctx.lookup.apply(inverse=ctx.inverse, grad=per_id)
+        return (None,) * 8
 
 
 class PooledEmbeddings(dict):
@@ -137,6 +170,7 @@ class _DynamicCollection(torch.nn.Module):
         self.step = 0
         self._last_timestamp = 0
         self._lock = threading.RLock()
+        self._workspace = Workspace(tables[0].device)
         self._evict_hooks: collections.OrderedDict[int, Callable] = collections.OrderedDict()
         device = tables[0].device
         self.last_failed_keys = {n: torch.empty(0, dtype=torch.int64, device=device) for n in self.table_names}
@@ -264,9 +298,10 @@ class _DynamicCollection(torch.nn.Module):
             return self._last_timestamp
         return self.step
 
-    def _lookup_group(self, group: _Group, batch: _Batch, failures: list) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    def _lookup_group(self, group: _Group, batch: _Batch, failures: list, pooled: bool = False):
         """Dedup, resolve and gather one group's ids. Returns embeddings [U, D] (fused-update
-        autograd when training), the inverse [N_g] of each id and the ids per feature."""
+        autograd when training; with ``pooled``, the lookup itself, for :class:`_PooledBags`),
+        the inverse [N_g] of each id and the ids per feature."""
         engine = self.engines[group.index]
         device = engine.device
         vals = [batch.values[j] for j in group.features]
@@ -298,6 +333,8 @@ class _DynamicCollection(torch.nn.Module):
         if self.training:
             failures.extend(self._report(group, r))
         if self.training and self.optimizer is not None and torch.is_grad_enabled():
+            if pooled:
+                return lookup, inverse, totals
             trigger = torch.empty(0, device=device, requires_grad=True)
             emb = FusedEmbeddings.apply(trigger, lookup, D)
         else:
@@ -352,13 +389,13 @@ class _DynamicCollection(torch.nn.Module):
                 raise InsertionError(message + " The keys are on this exception's .failed_keys.", failed)
             warnings.warn(message, RuntimeWarning, stacklevel=4)
 
-    def _lookup(self, features):
+    def _lookup(self, features, pooled: bool = False):
         batch = self._parse(features)
         failures: list = []
         with self._lock:
             if self.training:
                 self.step += 1
-            looked = [self._lookup_group(group, batch, failures) for group in self._groups]
+            looked = [self._lookup_group(group, batch, failures, pooled) for group in self._groups]
         self._raise_failures(failures)
         return batch, looked
 
@@ -367,7 +404,9 @@ class _DynamicCollection(torch.nn.Module):
         with self._lock:
             engine = self.engines[lookup.group]
             if grad_u is None:
-                grad_u = torch.zeros(lookup.keys.numel(), engine.embedding_dim, dtype=grad.dtype, device=grad.device).index_add_(0, inverse, grad)
+                # Summed into a buffer kept between steps (a fresh [U, D] page-faults on CPU).
+                buf = self._workspace.get(f"grad{lookup.group}", lookup.keys.numel(), (engine.embedding_dim,), grad.dtype)
+                grad_u = buf.zero_().index_add_(0, inverse, grad)
             if self._pending is not None:
                 ok = lookup.rows >= 0
                 keys, segs = lookup.keys, lookup.segments
@@ -579,25 +618,33 @@ class DynamicEmbeddingBagCollection(_DynamicCollection):
                 raise ValueError(f"is_weighted=True: tables {mean} pool by 'mean'; weights need pooling='sum'")
 
     def forward(self, features) -> PooledEmbeddings:
-        batch, looked = self._lookup(features)
+        batch, looked = self._lookup(features, pooled=True)
         B = batch.batch
         pooled_of: list[torch.Tensor | None] = [None] * len(self.feature_names)
         for group, (emb, inverse, _totals) in zip(self._groups, looked):
             feats = group.features
+            engine = self.engines[group.index]
             lengths = torch.cat([batch.lengths[j] for j in feats]) if len(feats) > 1 else batch.lengths[feats[0]]  # [F_g * B]
             offsets = torch.cumsum(lengths, 0) - lengths
             weights = None
             if self.is_weighted:
                 ws = [batch.weights[j] for j in feats]
-                weights = (torch.cat(ws) if len(ws) > 1 else ws[0]).to(emb.dtype)
-            pooled = F.embedding_bag(inverse, emb, offsets, mode="sum", per_sample_weights=weights)  # [F_g * B, D]
+                weights = (torch.cat(ws) if len(ws) > 1 else ws[0]).to(engine.dtype)
+            divisor = None
             means = [self.table_configs[self._feature_table[j]].pooling is PoolingMode.MEAN for j in feats]
             if any(means):
-                is_mean = torch.tensor(means, device=emb.device).repeat_interleave(B)
-                divisor = torch.where(is_mean, lengths.clamp(min=1), 1).to(pooled.dtype)
-                pooled = pooled / divisor[:, None]
-            for k, j in enumerate(feats):
-                pooled_of[j] = pooled[k * B : (k + 1) * B]
+                is_mean = torch.tensor(means, device=engine.device).repeat_interleave(B)
+                divisor = torch.where(is_mean, lengths.clamp(min=1), 1).to(engine.dtype)
+            if isinstance(emb, GroupLookup):
+                trigger = torch.empty(0, device=engine.device, requires_grad=True)
+                pooled = _PooledBags.apply(trigger, emb, inverse, offsets, lengths, weights, divisor, engine.embedding_dim)
+            else:
+                pooled = F.embedding_bag(inverse, emb, offsets, mode="sum", per_sample_weights=weights)  # [F_g * B, D]
+                if divisor is not None:
+                    pooled = pooled / divisor[:, None]
+            # One view per feature (unbind: its backward stacks the features' gradients at once).
+            for j, part in zip(feats, pooled.view(len(feats), B, -1).unbind(0)):
+                pooled_of[j] = part
         concat = torch.cat(pooled_of, dim=1) if len(pooled_of) > 1 else pooled_of[0]
         return PooledEmbeddings(concat, self.feature_names, self.feature_dims)
 

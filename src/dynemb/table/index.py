@@ -128,6 +128,17 @@ def unique_pairs(first: torch.Tensor, second: torch.Tensor) -> tuple[tuple[torch
         (first, second) of the U distinct pairs ([U] each), inverse ([N], the pair of each
         input) and counts ([U]).
     """
+    n = first.numel()
+    if n:
+        # Rank the second values, then one unique of (first - min) * ranks + rank: two uniques
+        # instead of two stable sorts and their gathers, when the product fits in int64.
+        second_values, rank = torch.unique(second, sorted=True, return_inverse=True)
+        low, high = int(first.min()), int(first.max())
+        width = second_values.numel()
+        if (high - low + 1) * width < (1 << 62):
+            composite = (first - low) * width + rank
+            pairs, inverse, counts = torch.unique(composite, sorted=True, return_inverse=True, return_counts=True)
+            return (pairs // width + low, second_values.index_select(0, pairs % width)), inverse, counts
     by_second = torch.sort(second, stable=True)
     by_first = torch.sort(first.index_select(0, by_second.indices), stable=True)
     order = by_second.indices.index_select(0, by_first.indices)  # [N] input index in pair order
