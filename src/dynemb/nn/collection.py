@@ -552,22 +552,13 @@ class _DynamicCollection(torch.nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         from dynemb.nn.collection_state import expected_entries, load_collection_state
+        from dynemb.nn.module import load_own_entries
 
-        expected = expected_entries(self)
-        present = {name: state_dict[prefix + name] for name in expected if prefix + name in state_dict}
-        missing = [prefix + name for name in expected if name not in present]
-        missing_keys.extend(missing)
-        if strict:
-            known = set(expected)
-            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix) :] not in known)
-        if missing:
-            error_msgs.append(f"{type(self).__name__} at '{prefix}': missing entries {missing}; the collection was not changed")
-            return
-        try:
+        def load(entries):
             with self._lock:
-                load_collection_state(self, present)
-        except ValueError as e:
-            error_msgs.append(f"{type(self).__name__} at '{prefix}': {e}; the collection was not changed")
+                load_collection_state(self, entries)
+
+        load_own_entries(self, expected_entries(self), load, state_dict, prefix, strict, missing_keys, unexpected_keys, error_msgs)
 
 
 def _describe(value) -> str:

@@ -63,6 +63,19 @@ class Resolved:
         return self.rows >= 0
 
 
+def nonfinite_rows(grads: torch.Tensor, keep: torch.Tensor) -> torch.Tensor | None:
+    """Rows [U] (among ``keep``) whose gradient [U, D] holds NaN or inf, or None if there are none.
+
+    The sum is finite whenever every gradient is (a sum of finite values only overflows near
+    float max, and then the exact check finds nothing): one reduction, no [U, D] temporary, and
+    one host sync because the caller's policy must know.
+    """
+    if bool(torch.isfinite(grads.sum())):
+        return None
+    bad = ~torch.isfinite(grads).all(1) & keep
+    return bad if bool(bad.any()) else None
+
+
 def _device_memory(device: torch.device) -> int | None:
     """Total memory of the device in bytes, or None if unknown."""
     if device.type == "cuda":
@@ -247,22 +260,18 @@ class TableEngine:
         skipped = 0
         with writable():
             keep = rows >= 0
-            # The sum is finite whenever every gradient is (a sum of finite values only overflows
-            # near float max, and then the exact check below finds nothing): one reduction, no
-            # [U, D] temporary, and one host sync because the policy must know.
-            if nonfinite is not NonFiniteGrads.APPLY and not bool(torch.isfinite(grads.sum())):
-                finite = torch.isfinite(grads).all(1)
-                if not bool(finite.all()):
-                    bad = keys[~finite & keep]
-                    if nonfinite is NonFiniteGrads.RAISE:
-                        shown = bad[:8].tolist()
-                        raise FloatingPointError(
-                            f"non-finite gradient for {bad.numel()} key(s) {shown}{' ...' if bad.numel() > 8 else ''}: "
-                            "no row of this batch was updated (nonfinite_grads='raise')"
-                        )
-                    skipped = bad.numel()
-                    self.nonfinite_grads += skipped
-                    keep = keep & finite
+            bad_rows = None if nonfinite is NonFiniteGrads.APPLY else nonfinite_rows(grads, keep)
+            if bad_rows is not None:
+                bad = keys[bad_rows]
+                if nonfinite is NonFiniteGrads.RAISE:
+                    shown = bad[:8].tolist()
+                    raise FloatingPointError(
+                        f"non-finite gradient for {bad.numel()} key(s) {shown}{' ...' if bad.numel() > 8 else ''}: "
+                        "no row of this batch was updated (nonfinite_grads='raise')"
+                    )
+                skipped = bad.numel()
+                self.nonfinite_grads += skipped
+                keep = keep & ~bad_rows
             if not bool(keep.all()):
                 sel = keep.nonzero().squeeze(1)
                 keys, rows, grads = keys.index_select(0, sel), rows.index_select(0, sel), grads.index_select(0, sel)

@@ -19,7 +19,7 @@ import torch
 
 from dynemb.config import TableConfig
 from dynemb.nn.changes import ChangeLog
-from dynemb.nn.functional import _device_memory
+from dynemb.nn.functional import _device_memory, nonfinite_rows
 from dynemb.optim.base import RowOptimizer
 from dynemb.storage.device_store import DeviceRowStore
 from dynemb.storage.initializers import RowInitializer
@@ -235,22 +235,20 @@ class GroupEngine:
         skipped = 0
         with writable():
             keep = rows >= 0
-            if nonfinite is not NonFiniteGrads.APPLY and not bool(torch.isfinite(grads.sum())):
-                finite = torch.isfinite(grads).all(1)
-                bad = ~finite & keep
-                if bool(bad.any()):
-                    if nonfinite is NonFiniteGrads.RAISE:
-                        names = sorted({self.configs[s].name for s in segments[bad].tolist()})
-                        shown = keys[bad][:8].tolist()
-                        raise FloatingPointError(
-                            f"non-finite gradient for {int(bad.sum())} key(s) {shown} of tables {names}: no row of this batch "
-                            "was updated (nonfinite_grads='raise')"
-                        )
-                    per_table = torch.bincount(segments[bad], minlength=self.num_tables).tolist()
-                    for s, n in enumerate(per_table):
-                        self.nonfinite_grads[s] += n
-                    skipped = int(bad.sum())
-                    keep = keep & finite
+            bad = None if nonfinite is NonFiniteGrads.APPLY else nonfinite_rows(grads, keep)
+            if bad is not None:
+                if nonfinite is NonFiniteGrads.RAISE:
+                    names = sorted({self.configs[s].name for s in segments[bad].tolist()})
+                    shown = keys[bad][:8].tolist()
+                    raise FloatingPointError(
+                        f"non-finite gradient for {int(bad.sum())} key(s) {shown} of tables {names}: no row of this batch "
+                        "was updated (nonfinite_grads='raise')"
+                    )
+                per_table = torch.bincount(segments[bad], minlength=self.num_tables).tolist()
+                for s, n in enumerate(per_table):
+                    self.nonfinite_grads[s] += n
+                skipped = int(bad.sum())
+                keep = keep & ~bad
             if not bool(keep.all()):
                 sel = keep.nonzero().squeeze(1)
                 keys, segments, rows, grads = (t.index_select(0, sel) for t in (keys, segments, rows, grads))

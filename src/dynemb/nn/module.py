@@ -58,6 +58,25 @@ def as_ids(ids, name: str, device: torch.device) -> torch.Tensor:
     return check_keys(ids, name, device).view(ids.shape)
 
 
+def load_own_entries(module, expected: list[str], load, state_dict, prefix, strict, missing_keys, unexpected_keys, error_msgs) -> None:
+    """``_load_from_state_dict`` of a module whose state is entries of its own (no children):
+    collect ``expected`` under ``prefix``, report missing / unexpected ones as torch does, and
+    call ``load(entries)``, turning its ValueError into an error message (nothing changed)."""
+    present = {name: state_dict[prefix + name] for name in expected if prefix + name in state_dict}
+    missing = [prefix + name for name in expected if name not in present]
+    missing_keys.extend(missing)
+    if strict:
+        known = set(expected)
+        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix) :] not in known)
+    if missing:
+        error_msgs.append(f"{type(module).__name__} at '{prefix}': missing entries {missing}; it was not changed")
+        return
+    try:
+        load(present)
+    except ValueError as e:
+        error_msgs.append(f"{type(module).__name__} at '{prefix}': {e}; it was not changed")
+
+
 class DynamicTable(torch.nn.Module):
     """A dynamic embedding table: int64 keys -> rows of embedding and optimizer state.
 
@@ -567,20 +586,7 @@ class DynamicTable(torch.nn.Module):
         expected = list(_TABLE_ENTRIES) + ["index." + n for n in _INDEX_ENTRIES]
         if self.admission is not None:
             expected += ["admission." + n for n in _ADMISSION_ENTRIES]
-        present = {name: state_dict[prefix + name] for name in expected if prefix + name in state_dict}
-        missing = [prefix + name for name in expected if name not in present]
-        missing_keys.extend(missing)
-        if strict:
-            # The table has no children: every entry under its prefix is its own.
-            known = set(expected)
-            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix) :] not in known)
-        if missing:
-            error_msgs.append(f"{type(self).__name__} at '{prefix}': missing entries {missing}; the table was not changed")
-            return
-        try:
-            self.load_table_state(present)
-        except ValueError as e:
-            error_msgs.append(f"{type(self).__name__} at '{prefix}': {e}; the table was not changed")
+        load_own_entries(self, expected, self.load_table_state, state_dict, prefix, strict, missing_keys, unexpected_keys, error_msgs)
 
     def load_table_state(self, state: dict[str, torch.Tensor]) -> None:
         """Restore the table from :meth:`table_state` entries; validates everything first and
