@@ -11,10 +11,13 @@ hold, so training evicts (or, with ``no_eviction``, fails inserts).
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 
 import dynemb
+from dynemb.checkpoint.tables import entries
 
 B, L = 8, 3
 OPTIMIZERS = {
@@ -206,3 +209,23 @@ def contents_modulo_clock(c: dict) -> dict:
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8) if t.is_floating_point() else t
+
+
+def digest(model: torch.nn.Module) -> str:
+    """SHA-256 of every table's contents, statistics (counters), admission and RNG state."""
+    h = hashlib.sha256()
+
+    def feed(x, path: str) -> None:
+        if isinstance(x, dict):
+            for k in sorted(x):
+                feed(x[k], f"{path}.{k}")
+        elif isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous()
+            h.update(f"{path}:{t.dtype}:{tuple(t.shape)}".encode())
+            h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(f"{path}={x!r}".encode())
+
+    generators = {e.name: e.generator.get_state() for e in entries(model)}
+    feed({"contents": contents(model), "stats": stats(model), "admission": admission_state(model), "generators": generators}, "")
+    return h.hexdigest()

@@ -19,7 +19,6 @@ imported torch once (``python test_crash.py serve``); one case also runs a fresh
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -33,11 +32,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_models import Model, admission_state, contents, stats, train
+from ckpt_models import Model, digest, train
 
 import dynemb.checkpoint as ckpt
 from dynemb.checkpoint import files
-from dynemb.checkpoint.tables import entries
 
 HERE = Path(__file__).resolve().parent
 
@@ -49,26 +47,6 @@ MAX_DELAY_S = 1.0
 
 def make_model() -> Model:
     return Model("adam", "step", admission=True)
-
-
-def digest(model: torch.nn.Module) -> str:
-    """SHA-256 of every table's contents, statistics (counters), admission and RNG state."""
-    h = hashlib.sha256()
-
-    def feed(x, path: str) -> None:
-        if isinstance(x, dict):
-            for k in sorted(x):
-                feed(x[k], f"{path}.{k}")
-        elif isinstance(x, torch.Tensor):
-            t = x.detach().cpu().contiguous()
-            h.update(f"{path}:{t.dtype}:{tuple(t.shape)}".encode())
-            h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
-        else:
-            h.update(f"{path}={x!r}".encode())
-
-    generators = {e.name: e.generator.get_state() for e in entries(model)}
-    feed({"contents": contents(model), "stats": stats(model), "admission": admission_state(model), "generators": generators}, "")
-    return h.hexdigest()
 
 
 # -- the saving job ------------------------------------------------------------------------------

@@ -27,13 +27,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from ckpt_models import Model, admission_state, contents, stats, train
+from ckpt_models import Model, digest, train
 
 import dynemb
 import dynemb.checkpoint as ckpt
 from dynemb.checkpoint import files
-from dynemb.checkpoint.tables import entries
 
 CASES = 400
 CASES_UNVERIFIED = 120
@@ -42,25 +40,6 @@ CHUNK_ROWS = 16
 
 def make_model() -> Model:
     return Model("adam", "step", admission=True)
-
-
-def digest(model: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-
-    def feed(x, path: str) -> None:
-        if isinstance(x, dict):
-            for k in sorted(x):
-                feed(x[k], f"{path}.{k}")
-        elif isinstance(x, torch.Tensor):
-            t = x.detach().cpu().contiguous()
-            h.update(f"{path}:{t.dtype}:{tuple(t.shape)}".encode())
-            h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
-        else:
-            h.update(f"{path}={x!r}".encode())
-
-    generators = {e.name: e.generator.get_state() for e in entries(model)}
-    feed({"contents": contents(model), "stats": stats(model), "admission": admission_state(model), "generators": generators}, "")
-    return h.hexdigest()
 
 
 @pytest.fixture(scope="module")
