@@ -76,6 +76,26 @@ def nonfinite_rows(grads: torch.Tensor, keep: torch.Tensor) -> torch.Tensor | No
     return bad if bool(bad.any()) else None
 
 
+def leaving_contents(store: RowStore, embedding_dim: int, result: IndexResult) -> dict[str, torch.Tensor]:
+    """Contents of the rows of keys leaving the index (read before anything overwrites them):
+    ``embeddings`` [E, D], ``optimizer_state`` [E, S], ``scores`` [E]."""
+    data = store.gather(result.evicted_rows)
+    D = embedding_dim
+    return {"embeddings": data[:, :D], "optimizer_state": data[:, D:], "scores": result.evicted_scores}
+
+
+def with_initial_state(embeddings: torch.Tensor, optimizer: RowOptimizer | None, width: int) -> torch.Tensor:
+    """Whole new rows [n, D+S] (``width`` columns): the embeddings [n, D] and the optimizer's
+    initial state; the embeddings themselves when there is no state."""
+    D = embeddings.shape[1]
+    if width == D:
+        return embeddings
+    rows = torch.empty(embeddings.shape[0], width, dtype=embeddings.dtype, device=embeddings.device)
+    rows[:, :D] = embeddings
+    optimizer.init_state(rows[:, D:])
+    return rows
+
+
 def _device_memory(device: torch.device) -> int | None:
     """Total memory of the device in bytes, or None if unknown."""
     if device.type == "cuda":
@@ -154,19 +174,10 @@ class TableEngine:
 
     def new_rows(self, keys: torch.Tensor) -> torch.Tensor:
         """Initial rows [n, D+S] of keys [n]: per-key embeddings and the optimizer's initial state."""
-        embeddings = self.initializer(keys)  # [n, D]
-        if not self.state_dim:
-            return embeddings
-        rows = torch.empty(keys.numel(), self.width, dtype=self.config.dtype, device=self.device)
-        rows[:, : self.embedding_dim] = embeddings
-        self.optimizer.init_state(rows[:, self.embedding_dim :])
-        return rows
+        return with_initial_state(self.initializer(keys), self.optimizer, self.width)
 
     def _leaving(self, result: IndexResult) -> dict[str, torch.Tensor]:
-        """Contents of the rows of keys leaving the index (read before anything overwrites them)."""
-        data = self.store.gather(result.evicted_rows)
-        D = self.embedding_dim
-        return {"embeddings": data[:, :D], "optimizer_state": data[:, D:], "scores": result.evicted_scores}
+        return leaving_contents(self.store, self.embedding_dim, result)
 
     def resolve(
         self,

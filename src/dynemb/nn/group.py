@@ -19,7 +19,7 @@ import torch
 
 from dynemb.config import TableConfig
 from dynemb.nn.changes import ChangeLog
-from dynemb.nn.functional import _device_memory, nonfinite_rows
+from dynemb.nn.functional import _device_memory, leaving_contents, nonfinite_rows, with_initial_state
 from dynemb.optim.base import RowOptimizer
 from dynemb.storage.device_store import DeviceRowStore
 from dynemb.storage.initializers import RowInitializer
@@ -132,13 +132,7 @@ class GroupEngine:
 
     def new_rows(self, keys: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
         """Initial rows [n, D+S] of pairs [n]: per-key embeddings and the optimizer's initial state."""
-        embeddings = self.init_embeddings(keys, segments)
-        if not self.state_dim:
-            return embeddings
-        rows = torch.empty(keys.numel(), self.width, dtype=self.dtype, device=self.device)
-        rows[:, : self.embedding_dim] = embeddings
-        self.optimizer.init_state(rows[:, self.embedding_dim :])
-        return rows
+        return with_initial_state(self.init_embeddings(keys, segments), self.optimizer, self.width)
 
     def resolve(
         self,
@@ -178,11 +172,7 @@ class GroupEngine:
             sub, sub_seg = (keys, segments) if sel is None else (keys.index_select(0, sel), segments.index_select(0, sel))
             r = self.index.upsert_unique(sub, counts, now=now, given=scores, segments=sub_seg)
             self.store.reserve(self.index.free_list.high_water)
-            evicted = None
-            if evicted_contents and r.evicted_keys.numel():
-                data = self.store.gather(r.evicted_rows)
-                D = self.embedding_dim
-                evicted = {"embeddings": data[:, :D], "optimizer_state": data[:, D:], "scores": r.evicted_scores}
+            evicted = leaving_contents(self.store, self.embedding_dim, r) if evicted_contents and r.evicted_keys.numel() else None
             if init_rows and bool(r.inserted.any()):
                 new = r.inserted.nonzero().squeeze(1)
                 self.store.scatter(r.rows.index_select(0, new), self.new_rows(sub.index_select(0, new), sub_seg.index_select(0, new)))
@@ -289,12 +279,7 @@ class GroupEngine:
             if self.changes is not None:
                 self.changes.left(r.evicted_keys, r.evicted_segments)
             self.version += 1
-        contents = None
-        if evicted_contents and r.evicted_keys.numel():
-            data = self.store.gather(r.evicted_rows)
-            D = self.embedding_dim
-            contents = {"embeddings": data[:, :D], "optimizer_state": data[:, D:], "scores": r.evicted_scores}
-        return r, contents
+        return r, (leaving_contents(self.store, self.embedding_dim, r) if evicted_contents and r.evicted_keys.numel() else None)
 
     def export(self, segment: int, chunk_size: int = 1 << 16):
         """One table's keys with their rows, in chunks (as :meth:`TableEngine.export`)."""
