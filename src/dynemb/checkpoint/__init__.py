@@ -27,7 +27,6 @@ from dynemb.checkpoint import files as _files
 from dynemb.checkpoint.tables import DTYPE_NAMES, DTYPES, Entry, config_json, entries, optimizer_json
 from dynemb.errors import CheckpointError
 from dynemb.nn.admission import FrequencyAdmission
-from dynemb.nn.changes import ChangeLog
 from dynemb.nn.functional import TableEngine
 from dynemb.nn.group import GroupEngine
 from dynemb.table.index import unique_pairs
@@ -83,8 +82,6 @@ def _write_table(writer: _files.Writer, e: Entry, chunk_rows: int, *, delta: boo
     layout_slots = []
     for k, (keys, rows, scores) in enumerate(e.export(chunk_rows)):
         if dirty is not None:
-            e.changes().reserve(int(rows.max()) + 1 if rows.numel() else 0)
-            dirty = e.changes().dirty
             m = dirty.index_select(0, rows)
             keys, rows, scores = keys[m], rows[m], scores[m]
         if keys.numel() == 0:
@@ -822,9 +819,7 @@ def load(
                 exact.discard(id(e.module))
         for e in es:
             e.module._checkpoint_id = last["id"] if id(e.module) in exact else None
-            changes = e.engine.changes
-            if changes is None:
-                e.engine.changes = ChangeLog(0, e.engine.device)
+            e.changes()  # start tracking changes for the next delta
     return report
 
 

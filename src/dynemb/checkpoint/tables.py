@@ -112,7 +112,8 @@ class Entry:
         """The engine's change log, created (empty) if it had none."""
         engine = self.engine
         if engine.changes is None:
-            engine.changes = ChangeLog(engine.store.capacity if hasattr(engine.store, "capacity") else 0, engine.device)
+            # Sized to every row id the index can hand out: marking rows never has to grow it.
+            engine.changes = ChangeLog(engine.index.capacity(), engine.device)
         return engine.changes
 
 

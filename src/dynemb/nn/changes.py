@@ -17,7 +17,7 @@ class ChangeLog:
     """Rows touched and keys that left since the last :meth:`reset`.
 
     Args:
-        rows: R, rows the store can address (grows with :meth:`reserve`).
+        rows: R, every row id the engine's index can hand out (``index.capacity()``).
         device: of the store.
     """
 
@@ -26,18 +26,10 @@ class ChangeLog:
             self.dirty = torch.zeros(rows, dtype=torch.bool, device=device)
         self._left: list[tuple[torch.Tensor, torch.Tensor | None]] = []
 
-    def reserve(self, rows: int) -> None:
-        if rows > self.dirty.numel():
-            with torch.inference_mode(False):
-                grown = torch.zeros(rows, dtype=torch.bool, device=self.dirty.device)
-                grown[: self.dirty.numel()] = self.dirty
-            self.dirty = grown
-
     def touch(self, rows: torch.Tensor) -> None:
-        """Mark row ids ([n] int64, -1 ignored) as changed."""
+        """Mark row ids ([n] int64 below R, -1 ignored) as changed."""
         rows = rows[rows >= 0]
         if rows.numel():
-            self.reserve(int(rows.max()) + 1)
             with torch.inference_mode(False):
                 self.dirty.index_fill_(0, rows, True)
 
