@@ -120,6 +120,9 @@ def run(cfg: W4Config, env: dict, log=print) -> list[dict]:
                     shutil.rmtree(root / "ckpt", ignore_errors=True)
                 else:
                     (root / "ref.pt").unlink(missing_ok=True)
+                # Write back what earlier contenders left in the page cache (plain torch.save
+                # leaves gigabytes dirty): otherwise the next contender pays for that writeback.
+                os.sync()
                 settle()
                 t0 = time.perf_counter()
                 if name == "save":

@@ -80,31 +80,44 @@ def _write_table(writer: _files.Writer, e: Entry, chunk_rows: int, *, delta: boo
     out_files, rows_total, tomb_total = [], 0, 0
     dirty = e.changes().dirty if delta else None
     layout_slots = []
-    for k, (keys, rows, scores) in enumerate(e.export(chunk_rows)):
+    stored = getattr(engine.store, "data", None)
+    # Rows are gathered into a ring of reused blocks (fresh ones would cost a page fault per 4
+    # KiB, more than the gather itself): a block is refilled once its file is hashed, and the
+    # writer keeps at most two files waiting for the hasher, so three blocks never wait.
+    ring: list[tuple[torch.Tensor, torch.Tensor, dict | None]] = []
+    for k, (keys, rows, scores, slots) in enumerate(e.export_slots(chunk_rows)):
         if dirty is not None:
             m = dirty.index_select(0, rows)
-            keys, rows, scores = keys[m], rows[m], scores[m]
-        if keys.numel() == 0:
+            keys, rows, scores, slots = keys[m], rows[m], scores[m], slots[m]
+        n = keys.numel()
+        if n == 0:
             continue
-        stored = getattr(engine.store, "data", None)
         if isinstance(stored, torch.Tensor):
+            if len(ring) < 3:
+                width = min(chunk_rows, _size(e))
+                ring.append((stored.new_empty(width, D), stored.new_empty(width, stored.shape[1] - D), None))
+            emb_block, opt_block, previous = ring.pop(0)
+            if previous is not None:
+                writer.wait_hashed(previous)
+            emb, opt = emb_block[:n], opt_block[:n]
             # Two gathers from column views give contiguous blocks: no copy before writing.
-            emb, opt = stored[:, :D].index_select(0, rows), stored[:, D:].index_select(0, rows)
+            torch.index_select(stored[:, :D], 0, rows, out=emb)
+            torch.index_select(stored[:, D:], 0, rows, out=opt)
         else:
             data = engine.store.gather(rows)
             emb, opt = data[:, :D], data[:, D:]
-        out_files.append(
-            writer.write_tensors(
-                f"{folder}/rows-{k:06d}.safetensors",
-                {"keys": keys, "embeddings": emb, "optimizer_state": opt, "scores": scores},
-                "rows",
-                keys.numel(),
-            )
+        entry = writer.write_tensors(
+            f"{folder}/rows-{k:06d}.safetensors",
+            {"keys": keys, "embeddings": emb, "optimizer_state": opt, "scores": scores},
+            "rows",
+            n,
         )
-        rows_total += keys.numel()
+        if isinstance(stored, torch.Tensor):
+            ring.append((emb_block, opt_block, entry))
+        out_files.append(entry)
+        rows_total += n
         if layout:
-            seg = None if s is None else torch.full_like(keys, s)
-            layout_slots.append(engine.index._locate(keys, seg)[0])
+            layout_slots.append(slots)
         if bar is not None:
             bar.update(keys.numel())
     if delta:

@@ -23,8 +23,10 @@ from safetensors.torch import load as st_load
 from dynemb.errors import CheckpointError
 
 FORMAT = "dynemb-checkpoint"
-# One thread hashes while the caller writes (hashlib and file writes release the GIL).
+# One thread hashes while the caller writes (hashlib and file writes release the GIL); another
+# fsyncs each finished file, so the disk writes it back while the next one is filled.
 _HASHER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynemb-sha256")
+_FLUSHER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynemb-fsync")
 _PIECE = 1 << 26
 _ST_DTYPES = {
     torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL",
@@ -77,12 +79,17 @@ def new_id() -> str:
     return uuid.uuid4().hex
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """fsync a file or a directory by its path (a descriptor opened for reading)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    _fsync(path)
 
 
 class Writer:
@@ -103,7 +110,8 @@ class Writer:
         self.tmp = self.path.parent / f".{self.path.name}.tmp-{new_id()[:12]}"
         self.tmp.mkdir()
         self.overwrite = overwrite
-        self._written: list[Path] = []
+        # fsyncs of the files written so far, running behind the writes.
+        self._flushing: list[concurrent.futures.Future] = []
         # (manifest entry, future of its hex digest): hashing runs behind the writes.
         self._hashing: list[tuple[dict, concurrent.futures.Future]] = []
 
@@ -122,8 +130,7 @@ class Writer:
                 _HASHER.submit(digest.update, piece)
                 f.write(piece)
                 size += len(piece)
-        # fsynced together in commit(): the kernel writes this file back while the next is written.
-        self._written.append(target)
+        self._flushing.append(_FLUSHER.submit(_fsync, target))
         entry = {"path": relative, "role": role, "bytes": size, "sha256": None}
         self._hashing.append((entry, _HASHER.submit(digest.hexdigest)))
         # At most two files' buffers wait for the hasher: memory stays about one chunk.
@@ -137,17 +144,19 @@ class Writer:
         entry, job = self._hashing.pop(0)
         entry["sha256"] = job.result()
 
+    def wait_hashed(self, entry: dict) -> None:
+        """Block until the file of ``entry`` (returned by :meth:`write_tensors`) is hashed: the
+        tensors it was written from may then be overwritten."""
+        while entry["sha256"] is None and self._hashing:
+            self._settle_hash()
+
     def commit(self, manifest: dict) -> None:
         """Write the manifest, fsync everything, and rename the directory into place."""
         while self._hashing:
             self._settle_hash()
         data = json.dumps(manifest, indent=1, sort_keys=False).encode()
-        for path in self._written:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        while self._flushing:
+            self._flushing.pop(0).result()
         for name, content in ((MANIFEST, data), (MANIFEST_SHA, f"{hashlib.sha256(data).hexdigest()}  {MANIFEST}\n".encode())):
             with open(self.tmp / name, "wb") as f:
                 f.write(content)
@@ -169,6 +178,9 @@ class Writer:
             shutil.rmtree(old, ignore_errors=True)
 
     def abort(self) -> None:
+        for job in self._hashing:
+            job[1].cancel()
+        concurrent.futures.wait([job for _, job in self._hashing] + self._flushing)
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 

@@ -105,6 +105,25 @@ class _Group:
         self.features: list[int] = []  # collection feature indices, in collection order
         self.feature_segments: list[int] = []
 
+    def dedup(self, vals: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Distinct (table, key) pairs of the group's feature values ``vals`` (its features'
+        order): (segments [U], keys [U], inverse [N_g], counts [U]), each table's keys ascending.
+
+        One sorted unique of the raw keys; when no key is read through two tables (the usual
+        case: tables hold different id spaces) the distinct keys are the distinct pairs, sorted
+        by key. Otherwise pairs are formed (:func:`unique_pairs`), sorted by segment, then key."""
+        values = torch.cat(vals)
+        seg_of_value = torch.repeat_interleave(
+            torch.tensor(self.feature_segments, device=device), torch.tensor([v.numel() for v in vals], device=device), output_size=values.numel()
+        )
+        keys, inverse, counts = torch.unique(values, sorted=True, return_inverse=True, return_counts=True)
+        low = torch.full_like(keys, len(self.tables)).scatter_reduce_(0, inverse, seg_of_value, reduce="amin")
+        high = torch.zeros_like(keys).scatter_reduce_(0, inverse, seg_of_value, reduce="amax")
+        if torch.equal(low, high):
+            return low, keys, inverse, counts
+        (segments, keys), inverse, counts = unique_pairs(seg_of_value, values)
+        return segments, keys, inverse, counts
+
 
 class _Batch:
     """Validated input: per feature (collection order) its values [N_f], lengths [B] and weights."""
@@ -269,8 +288,7 @@ class _DynamicCollection(torch.nn.Module):
                 batch, first = ln.numel(), f
             elif ln.numel() != batch:
                 raise ValueError(
-                    f"feature {f!r}: {ln.numel()} lengths, but feature {first!r} has {batch} (one length per sample; "
-                    "variable batch sizes are not supported)"
+                    f"feature {f!r}: {ln.numel()} lengths, but feature {first!r} has {batch} (one length per sample; variable batch sizes are not supported)"
                 )
             ln = ln.to(torch.int64)
             if ln.numel() and bool((ln < 0).any()):
@@ -306,15 +324,12 @@ class _DynamicCollection(torch.nn.Module):
         device = engine.device
         vals = [batch.values[j] for j in group.features]
         totals = [v.numel() for v in vals]
-        values = torch.cat(vals) if len(vals) > 1 else vals[0]
         if len(group.tables) == 1:
+            values = torch.cat(vals) if len(vals) > 1 else vals[0]
             keys, inverse, counts = torch.unique(values, sorted=True, return_inverse=True, return_counts=True)
             segs = torch.zeros_like(keys)
         else:
-            seg_of_value = torch.repeat_interleave(
-                torch.tensor(group.feature_segments, device=device), torch.tensor(totals, device=device), output_size=values.numel()
-            )
-            (segs, keys), inverse, counts = unique_pairs(seg_of_value, values)
+            segs, keys, inverse, counts = group.dedup(vals, device)
         D = engine.embedding_dim
         if self.training:
             r = self._resolve_train(group, engine, keys, segs, counts)
@@ -517,7 +532,9 @@ class _DynamicCollection(torch.nn.Module):
         with self._lock, writable():
             segs = torch.full_like(unique, s)
             now = self._now()
-            r = engine.resolve(unique, segs, train=True, now=now, scores=given, evicted_contents=bool(self._evict_hooks), init_rows=values.shape[1] != engine.width)
+            r = engine.resolve(
+                unique, segs, train=True, now=now, scores=given, evicted_contents=bool(self._evict_hooks), init_rows=values.shape[1] != engine.width
+            )
             ok = r.ok.nonzero().squeeze(1)
             engine.store.scatter(r.rows.index_select(0, ok), values.index_select(0, ok))
             failures = self._report(self._groups[self._table_group[t][0]], r)

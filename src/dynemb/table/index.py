@@ -867,14 +867,17 @@ class KeyIndex:
         in chunks of at most ``chunk_size`` slots scanned. Do not modify the index while iterating."""
         if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size!r}: must be an int >= 1")
+        for keys, rows, scores, _ in self._export_slots(0, self._used.numel(), chunk_size):
+            yield keys, rows, scores
+
+    def _export_slots(self, lo: int, hi: int, chunk_size: int):
+        """Yield (keys, rows, scores, slots) of the held keys in flat slots [lo, hi), in slot
+        order, scanning ``chunk_size`` slots at a time (slots: each key's flat slot)."""
         keys, rows, scores, used = (t.view(-1) for t in (self._keys, self._rows, self._scores, self._used))
-        for start in range(0, used.numel(), chunk_size):
-            mask = used[start : start + chunk_size]
-            yield (
-                keys[start : start + chunk_size][mask],
-                rows[start : start + chunk_size][mask],
-                scores[start : start + chunk_size][mask],
-            )
+        for start in range(lo, hi, chunk_size):
+            end = min(start + chunk_size, hi)
+            at = used[start:end].nonzero().squeeze(1)
+            yield keys[start:end].index_select(0, at), rows[start:end].index_select(0, at), scores[start:end].index_select(0, at), at + start
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Plain int64 tensors that restore this index exactly (``torch.load(weights_only=True)``).

@@ -145,14 +145,13 @@ class SegmentedKeyIndex(KeyIndex):
         """Yield (keys, rows, scores) of one segment's keys, as :meth:`KeyIndex.export`."""
         if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size!r}: must be an int >= 1")
-        W = self.bucket_capacity
-        lo = int(self.segment_offsets[segment]) * W
-        hi = lo + self.segment_capacity(segment)
-        keys, rows, scores, used = (t.view(-1) for t in (self._keys, self._rows, self._scores, self._used))
-        for start in range(lo, hi, chunk_size):
-            end = min(start + chunk_size, hi)
-            mask = used[start:end]
-            yield keys[start:end][mask], rows[start:end][mask], scores[start:end][mask]
+        for keys, rows, scores, _ in self._export_slots(*self._segment_slots(segment), chunk_size):
+            yield keys, rows, scores
+
+    def _segment_slots(self, segment: int) -> tuple[int, int]:
+        """The flat slot range [lo, hi) of one segment."""
+        lo = int(self.segment_offsets[segment]) * self.bucket_capacity
+        return lo, lo + self.segment_capacity(segment)
 
     # -- state ---------------------------------------------------------------------------------
 
