@@ -285,23 +285,28 @@ def make_stream(cfg: W3Config) -> Stream:
     return Stream(keys, [_kjt(k) for k in keys], dense, num_keys, capacities, unique, v)
 
 
-def _steps_per_second(step, batches) -> tuple[float, float | None]:
-    """Steps/s of ``step`` over the batches, and other processes' CPU share meanwhile."""
+def _one_repeat(attempt: int, *, cfg: W3Config, start: int, runs: list, st: Stream, log) -> tuple[dict[str, float], list[float | None]]:
+    """Time the contenders on slice ``attempt`` of the stream after batch ``start``, step by
+    step in turn (batch i for each contender, then batch i + 1), the first of them rotating
+    with the attempt; returns steps/s and others' CPU share during the attempt.
+
+    Interleaving the steps pairs the contenders over the same seconds: on a shared 2-core
+    machine the speed drifts by 10-20% between seconds, which blocks of 20 steps per
+    contender (1-2 s each) turned into most of the spread of the paired ratios."""
+    lo, hi = start + attempt * cfg.steps, start + (attempt + 1) * cfg.steps
+    inputs = {"collection": st.kjts, "loop": st.keys, "tbe": st.dense}
+    k = attempt % len(runs)
+    order = runs[k:] + runs[:k]
+    elapsed = dict.fromkeys(inputs, 0.0)
     settle()
     load = OthersLoad()
-    t0 = time.perf_counter()
-    for batch in batches:
-        step(batch)
-    return len(batches) / (time.perf_counter() - t0), load.share()
-
-
-def _one_repeat(attempt: int, *, cfg: W3Config, start: int, runs: list, st: Stream, log) -> tuple[dict[str, float], list[float | None]]:
-    """Time the contenders on slice ``attempt`` of the stream after batch ``start``, the first
-    of them rotating with the attempt; returns steps/s and others' CPU share per timed block."""
-    lo, hi = start + attempt * cfg.steps, start + (attempt + 1) * cfg.steps
-    inputs = {"collection": st.kjts[lo:hi], "loop": st.keys[lo:hi], "tbe": st.dense[lo:hi]}
-    k = attempt % len(runs)
-    measured = {name: _steps_per_second(step, inputs[name]) for name, step in runs[k:] + runs[:k]}
+    for i in range(lo, hi):
+        for name, step in order:
+            t0 = time.perf_counter()
+            step(inputs[name][i])
+            elapsed[name] += time.perf_counter() - t0
+    share = load.share()
+    measured = {name: (cfg.steps / elapsed[name], share) for name, _ in order}
     rates = {name: rate for name, (rate, _) in measured.items()}
     log(
         f"W3 attempt {attempt}: "

@@ -42,11 +42,13 @@ _UPDATES = ("fused", "deferred")
 class GroupLookup(Lookup):
     """A group's lookup: :class:`Lookup` plus the segment of each unique key and the group."""
 
-    __slots__ = ("group", "segments")
+    __slots__ = ("group", "grouping", "segments")
 
     def __init__(self, owner, group: int, keys, segments, rows, data, version: int, repeatable: bool = False):
         super().__init__(owner, keys, rows, data, version, repeatable)
         self.group, self.segments = group, segments
+        # (order [N], starts [U]): ids grouped by key, when the dedup's sort gives it.
+        self.grouping = None
 
 
 class _PooledBags(torch.autograd.Function):
@@ -105,24 +107,36 @@ class _Group:
         self.features: list[int] = []  # collection feature indices, in collection order
         self.feature_segments: list[int] = []
 
-    def dedup(self, vals: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def dedup(self, vals: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
         """Distinct (table, key) pairs of the group's feature values ``vals`` (its features'
-        order): (segments [U], keys [U], inverse [N_g], counts [U]), each table's keys ascending.
+        order): segments [U], keys [U], inverse [N_g], counts [U] (each table's keys ascending)
+        and the grouping (order [N_g], starts [U]) of the ids by pair, or None.
 
-        One sorted unique of the raw keys; when no key is read through two tables (the usual
-        case: tables hold different id spaces) the distinct keys are the distinct pairs, sorted
-        by key. Otherwise pairs are formed (:func:`unique_pairs`), sorted by segment, then key."""
-        values = torch.cat(vals)
+        One stable sort of the raw keys. When no key is read through two tables (the usual
+        case: tables hold different id spaces) its runs are the distinct pairs, sorted by key,
+        and the sort's permutation groups the ids by pair, so the backward sums their gradients
+        with one gather-sum instead of a serial scatter-add. Otherwise pairs are formed
+        (:func:`unique_pairs`), sorted by segment, then key, and the grouping is None."""
+        values = torch.cat(vals) if len(vals) > 1 else vals[0]
+        n = values.numel()
+        sorted_values, order = torch.sort(values, stable=True)
+        new = torch.ones(n, dtype=torch.bool, device=device)
+        if n > 1:
+            torch.ne(sorted_values[1:], sorted_values[:-1], out=new[1:])
+        starts = new.nonzero().squeeze(1)
+        keys = sorted_values.index_select(0, starts)
+        counts = torch.diff(starts, append=starts.new_tensor([n]))
+        inverse = torch.empty_like(order).index_copy_(0, order, new.cumsum(0).sub_(1))
+        if len(self.tables) == 1:
+            return torch.zeros_like(keys), keys, inverse, counts, (order, starts)
         seg_of_value = torch.repeat_interleave(
-            torch.tensor(self.feature_segments, device=device), torch.tensor([v.numel() for v in vals], device=device), output_size=values.numel()
+            torch.tensor(self.feature_segments, device=device), torch.tensor([v.numel() for v in vals], device=device), output_size=n
         )
-        keys, inverse, counts = torch.unique(values, sorted=True, return_inverse=True, return_counts=True)
-        low = torch.full_like(keys, len(self.tables)).scatter_reduce_(0, inverse, seg_of_value, reduce="amin")
-        high = torch.zeros_like(keys).scatter_reduce_(0, inverse, seg_of_value, reduce="amax")
-        if torch.equal(low, high):
-            return low, keys, inverse, counts
-        (segments, keys), inverse, counts = unique_pairs(seg_of_value, values)
-        return segments, keys, inverse, counts
+        seg_sorted = seg_of_value.index_select(0, order)
+        if n > 1 and bool(((seg_sorted[1:] != seg_sorted[:-1]) & ~new[1:]).any()):
+            (segments, keys), inverse, counts = unique_pairs(seg_of_value, values)
+            return segments, keys, inverse, counts, None
+        return seg_sorted.index_select(0, starts), keys, inverse, counts, (order, starts)
 
 
 class _Batch:
@@ -291,11 +305,6 @@ class _DynamicCollection(torch.nn.Module):
                     f"feature {f!r}: {ln.numel()} lengths, but feature {first!r} has {batch} (one length per sample; variable batch sizes are not supported)"
                 )
             ln = ln.to(torch.int64)
-            if ln.numel() and bool((ln < 0).any()):
-                raise ValueError(f"feature {f!r}: lengths must be >= 0")
-            total = int(ln.sum()) if ln.numel() else 0
-            if total != v.numel():
-                raise ValueError(f"feature {f!r}: lengths sum to {total} but values has {v.numel()} entries")
             if w is not None:
                 if not self.pooled or not self.is_weighted:
                     raise ValueError(f"feature {f!r}: weights given to an unweighted collection (build it with is_weighted=True)")
@@ -306,6 +315,19 @@ class _DynamicCollection(torch.nn.Module):
             out_v.append(v.to(torch.int64))
             out_l.append(ln)
             out_w.append(w)
+        if batch:
+            # Every feature's lengths at once (one reduction each instead of one per feature).
+            stacked = torch.stack(out_l)  # [F, B]
+            negative = (stacked < 0).any(1)
+            if bool(negative.any()):
+                raise ValueError(f"feature {self.feature_names[int(negative.nonzero()[0])]!r}: lengths must be >= 0")
+            for f, total, v in zip(self.feature_names, stacked.sum(1).tolist(), out_v):
+                if total != v.numel():
+                    raise ValueError(f"feature {f!r}: lengths sum to {total} but values has {v.numel()} entries")
+        else:
+            for f, v in zip(self.feature_names, out_v):
+                if v.numel():
+                    raise ValueError(f"feature {f!r}: lengths sum to 0 but values has {v.numel()} entries")
         return _Batch(out_v, out_l, out_w, batch or 0)
 
     # -- lookups -----------------------------------------------------------------------------
@@ -324,12 +346,7 @@ class _DynamicCollection(torch.nn.Module):
         device = engine.device
         vals = [batch.values[j] for j in group.features]
         totals = [v.numel() for v in vals]
-        if len(group.tables) == 1:
-            values = torch.cat(vals) if len(vals) > 1 else vals[0]
-            keys, inverse, counts = torch.unique(values, sorted=True, return_inverse=True, return_counts=True)
-            segs = torch.zeros_like(keys)
-        else:
-            segs, keys, inverse, counts = group.dedup(vals, device)
+        segs, keys, inverse, counts, grouping = group.dedup(vals, device)
         D = engine.embedding_dim
         if self.training:
             r = self._resolve_train(group, engine, keys, segs, counts)
@@ -345,6 +362,7 @@ class _DynamicCollection(torch.nn.Module):
                 fill = defaults.index_select(0, segs.index_select(0, missing))[:, None].expand(-1, D)
             data[:, :D].index_copy_(0, missing, fill)
         lookup = GroupLookup(self, group.index, keys, segs, r.rows, data, engine.version, repeatable=self._pending is not None)
+        lookup.grouping = grouping
         if self.training:
             failures.extend(self._report(group, r))
         if self.training and self.optimizer is not None and torch.is_grad_enabled():
@@ -418,7 +436,11 @@ class _DynamicCollection(torch.nn.Module):
         """Backward of one group's lookup: one fused step of its tables (or accumulate, deferred)."""
         with self._lock:
             engine = self.engines[lookup.group]
-            if grad_u is None:
+            if grad_u is None and lookup.grouping is not None:
+                # The ids in key order (the dedup's sort): one parallel gather-sum per key.
+                order, starts = lookup.grouping
+                grad_u = F.embedding_bag(order, grad, starts, mode="sum")
+            elif grad_u is None:
                 # Summed into a buffer kept between steps (a fresh [U, D] page-faults on CPU).
                 buf = self._workspace.get(f"grad{lookup.group}", lookup.keys.numel(), (engine.embedding_dim,), grad.dtype)
                 grad_u = buf.zero_().index_add_(0, inverse, grad)

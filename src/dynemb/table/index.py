@@ -309,9 +309,10 @@ class KeyIndex:
         used = torch.index_select(self._used, 0, buckets, out=ws.get("used", 2 * n, (W,), torch.bool))
         match = torch.eq(cand.view(n, 2 * W), keys[:, None], out=ws.get("match", n, (2 * W,), torch.bool))
         match &= used.view(n, 2 * W)
-        found = match.any(1)
-        # First matching slot among the 2W (when both candidates are one bucket it matches twice).
+        # First matching slot among the 2W (when both candidates are one bucket it matches twice);
+        # argmax is 0 where nothing matches, and the match there says whether the key was found.
         slot = match.view(torch.uint8).argmax(1)
+        found = match.gather(1, slot[:, None]).squeeze(1)
         bucket = torch.where(slot < W, b1, b2)
         pos = torch.where(found, bucket * W + slot % W, -1)
         return pos, found
