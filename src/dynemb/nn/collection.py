@@ -473,11 +473,7 @@ class _DynamicCollection(torch.nn.Module):
         left their table since the lookup are skipped. Called by ``optimizer.step()``."""
         with self._lock:
             for engine, acc in zip(self.engines, self._pending or []):
-                if not len(acc):
-                    continue
-                keys, segs, grad = acc.keys, acc.segments, acc.grad
-                rows, _ = engine.index.find(keys, segments=segs)
-                engine.apply_gradients(keys, segs, rows, grad, nonfinite=engine.configs[0].nonfinite_grads)
+                engine.apply_pending(acc.keys, acc.segments, acc.grad, nonfinite=engine.configs[0].nonfinite_grads)
                 acc.clear()
 
     def _deferred_clear(self) -> None:
@@ -513,7 +509,7 @@ class _DynamicCollection(torch.nn.Module):
         keys = as_ids(keys, "keys", engine.device)
         flat = keys.reshape(-1)
         with self._lock:
-            rows, found = engine.index.find(flat, segments=torch.full_like(flat, s))
+            rows, found = engine.find(flat, torch.full_like(flat, s))
             values = engine.gather(rows)[:, : engine.embedding_dim]
         values.masked_fill_(~found[:, None], self.table_configs[t].eval_default)
         return values.view(*keys.shape, engine.embedding_dim), found.view(keys.shape)
@@ -536,9 +532,10 @@ class _DynamicCollection(torch.nn.Module):
     def insert(self, table: str, keys, values: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
         """Assign rows to one table's keys ([N] distinct), inserting missing ones; ``values``
         [N, D] (embeddings) or [N, D+S] (whole rows). Returns found-after ([N] bool)."""
-        from dynemb.nn.module import as_ids
+        from dynemb.nn.module import _refuse_sharded, as_ids
 
         engine, s, t = self._engine_of(table)
+        _refuse_sharded(engine, "insert")
         flat = as_ids(keys, "keys", engine.device).reshape(-1)
         n = flat.numel()
         widths = (engine.embedding_dim, engine.width)

@@ -243,6 +243,18 @@ class TableEngine:
         """Rows [U, D+S] of row ids [U] (-1 allowed: such rows hold undefined values)."""
         return self.store.gather(rows.clamp(min=0))
 
+    def find(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row ids of keys [N] (-1 where absent) and whether found, without side effects."""
+        return self.index.find(keys)
+
+    def apply_pending(self, keys: torch.Tensor, grads: torch.Tensor, *, nonfinite: NonFiniteGrads = NonFiniteGrads.SKIP) -> int:
+        """One optimizer step with deferred gradients [P, D] of keys [P] (distinct): keys that left
+        the table since are skipped; nothing at all (not even a step count) when P = 0."""
+        if keys.numel() == 0:
+            return 0
+        rows, _ = self.find(keys)
+        return self.apply_gradients(keys, rows, grads, nonfinite=nonfinite)
+
     def apply_gradients(
         self,
         keys: torch.Tensor,

@@ -194,6 +194,18 @@ class GroupEngine:
         """Rows [U, D+S] of row ids [U] (-1 allowed: such rows hold undefined values)."""
         return self.store.gather(rows.clamp(min=0))
 
+    def find(self, keys: torch.Tensor, segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row ids of pairs [N] (-1 where absent) and whether found, without side effects."""
+        return self.index.find(keys, segments=segments)
+
+    def apply_pending(self, keys: torch.Tensor, segments: torch.Tensor, grads: torch.Tensor, *, nonfinite: NonFiniteGrads = NonFiniteGrads.SKIP) -> int:
+        """One optimizer step of every table with deferred gradients [P, D] of distinct pairs
+        [P]: pairs that left since are skipped; nothing at all when P = 0."""
+        if keys.numel() == 0:
+            return 0
+        rows, _ = self.find(keys, segments)
+        return self.apply_gradients(keys, segments, rows, grads, nonfinite=nonfinite)
+
     def apply_gradients(
         self,
         keys: torch.Tensor,

@@ -58,6 +58,14 @@ def as_ids(ids, name: str, device: torch.device) -> torch.Tensor:
     return check_keys(ids, name, device).view(ids.shape)
 
 
+def _refuse_sharded(engine, what: str) -> None:
+    if getattr(engine, "collective", False):
+        raise NotImplementedError(
+            f"{what}() on a sharded table is not supported yet: {what} before dynemb.distributed.shard(), "
+            "or load a checkpoint (each rank reads its keys)"
+        )
+
+
 def load_own_entries(module, expected: list[str], load, state_dict, prefix, strict, missing_keys, unexpected_keys, error_msgs) -> None:
     """``_load_from_state_dict`` of a module whose state is entries of its own (no children):
     collect ``expected`` under ``prefix``, report missing / unexpected ones as torch does, and
@@ -349,12 +357,10 @@ class DynamicTable(torch.nn.Module):
         clear it; keys evicted or erased since their lookup are skipped. Nothing (not even a step
         count) when nothing is pending. Called by ``optimizer.step()``."""
         with self._lock:
-            if self._pending is None or not len(self._pending):
+            if self._pending is None:
                 return
-            keys, grad = self._pending.keys, self._pending.grad
-            rows, _ = self.index.find(keys)
             # Raises before any row changes with nonfinite_grads="raise": the gradient stays pending.
-            self.engine.apply_gradients(keys, rows, grad, nonfinite=self.config.nonfinite_grads)
+            self.engine.apply_pending(self._pending.keys, self._pending.grad, nonfinite=self.config.nonfinite_grads)
             self._pending.clear()
 
     def _deferred_clear(self) -> None:
@@ -389,7 +395,7 @@ class DynamicTable(torch.nn.Module):
         """
         keys = self._ids(keys, "keys")
         with self._lock:
-            rows, found = self.index.find(keys.reshape(-1))
+            rows, found = self.engine.find(keys.reshape(-1))
             values = self.engine.gather(rows)[:, : self.embedding_dim]
         values.masked_fill_(~found[:, None], self.config.eval_default)
         return values.view(*keys.shape, self.embedding_dim), found.view(keys.shape)
@@ -423,6 +429,7 @@ class DynamicTable(torch.nn.Module):
         Returns:
             Tensor[bool]: [N] the key is in the table now (see check_mode for failures).
         """
+        _refuse_sharded(self.engine, "insert")
         flat = self._ids(keys, "keys").reshape(-1)
         n = flat.numel()
         width = (self.embedding_dim, self.engine.width)
@@ -455,6 +462,7 @@ class DynamicTable(torch.nn.Module):
     def erase(self, keys) -> torch.Tensor:
         """Remove keys ([*] int64) and free their rows; returns found ([*] bool). Erased keys
         leave through the same exit as evicted ones (``last_evicted_keys``, evict hooks)."""
+        _refuse_sharded(self.engine, "erase")
         keys = self._ids(keys, "keys")
         with self._lock:
             r, contents = self.engine.erase(keys.reshape(-1), evicted_contents=bool(self._evict_hooks))

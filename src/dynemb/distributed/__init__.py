@@ -1,0 +1,98 @@
+"""Row-wise sharding of dynemb tables over torch.distributed (gloo on CPU, NCCL on GPU).
+
+    import torch.distributed as dist
+    dist.init_process_group("gloo")            # torchrun sets rank and world size
+    model = build_model()                      # DynamicEmbedding(Bag), collections, or any module
+    dynemb.distributed.shard(model)            # every dynemb table inside, in place
+    loss = model(local_batch)...; loss.backward()   # on every rank, in lockstep
+
+Every key has one owner rank (a hash of the key, on bits the bucket choice does not use); a
+rank's table holds its keys only, with ``capacity // world_size`` rows. A lookup de-duplicates
+the rank's ids, sends each key to its owner, which resolves it (inserting in training) and sends
+its row back; pooling happens on the asking rank. Backward sends each key's gradient to its
+owner, which sums the ranks' gradients and applies the fused (or, with ``update="deferred"``,
+at ``optimizer.step()``) update. With per-key initialisation (the default) and the same clock
+(step) on every rank, the sharded model trains like the unsharded one on the concatenated
+batch (docs/design/0015-sharding.md).
+
+Collective calls (every rank calls them, each with its own keys): forward and backward of
+lookups, ``find``, ``optimizer.step()`` of deferred tables. Local calls (this rank's shard):
+``export``, ``stats``, ``len``, ``state_dict``. Not yet on a sharded table: ``insert``, ``erase``
+and admission (they raise).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+
+import torch
+
+from dynemb.distributed.comm import Comm, ShardingError, owner_of
+from dynemb.distributed.engine import ShardedGroupEngine, ShardedTableEngine
+
+__all__ = ["ShardingError", "owner_of", "shard", "is_sharded"]
+
+
+def _local_config(config, world_size: int):
+    """The config of one rank's shard: capacity divided by the world size."""
+    capacity = max(1, config.capacity // world_size)
+    init = None if config.init_capacity is None else min(config.init_capacity, capacity)
+    return dataclasses.replace(config, capacity=capacity, init_capacity=init)
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    """Whether a dynemb table or collection was sharded by :func:`shard`."""
+    engines = getattr(module, "engines", None) or [getattr(module, "engine", None)]
+    return any(getattr(e, "collective", False) for e in engines)
+
+
+def shard(module: torch.nn.Module, process_group=None, *, timeout: datetime.timedelta = datetime.timedelta(seconds=60)) -> torch.nn.Module:
+    """Shard every dynemb table in ``module`` row-wise over ``process_group``, in place.
+
+    Args:
+        module: a dynemb table or collection, or any module holding them. Every rank calls
+            ``shard`` on the same model (same tables, in the same order). Tables must be empty
+            (load checkpoints after sharding: each rank reads its keys).
+        process_group: the group to shard over (default: the default group).
+        timeout: the longest wait of one collective; a rank that dies, raises or hangs makes the
+            others raise :class:`ShardingError` naming it within about this time.
+    Returns:
+        ``module``.
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        ValueError: a table holds keys, uses admission, or was sharded already.
+    """
+    from dynemb.nn.collection import _DynamicCollection
+    from dynemb.nn.group import GroupEngine
+    from dynemb.nn.functional import TableEngine
+    from dynemb.nn.module import DynamicTable
+
+    targets = [(n, m) for n, m in module.named_modules() if isinstance(m, (DynamicTable, _DynamicCollection))]
+    if not targets:
+        raise ValueError(f"module={type(module).__name__}: holds no dynemb table to shard")
+    for name, m in targets:
+        where = f"table {name!r}" if name else type(m).__name__
+        if is_sharded(m):
+            raise ValueError(f"{where}: is sharded already")
+        if isinstance(m, DynamicTable):
+            if len(m):
+                raise ValueError(f"{where}: holds {len(m)} keys; shard empty tables, then load a checkpoint (each rank reads its keys)")
+            if m.admission is not None:
+                raise ValueError(f"{where}: admission is not supported on sharded tables yet (its counters would be per rank)")
+        else:
+            held = {t: s["size"] for t, s in m.stats().items() if s["size"]}
+            if held:
+                raise ValueError(f"{where}: tables {held} hold keys; shard empty collections, then load a checkpoint")
+            admitting = [n for n, a in zip(m.table_names, m.admissions) if a is not None]
+            if admitting:
+                raise ValueError(f"{where}: tables {admitting} use admission, not supported on sharded tables yet")
+    comm = Comm(process_group, timeout)
+    W = comm.world_size
+    for _, m in targets:
+        if isinstance(m, DynamicTable):
+            old = m.engine
+            m.engine = ShardedTableEngine(TableEngine(_local_config(old.config, W), old.optimizer), comm)
+        else:
+            m.engines = [ShardedGroupEngine(GroupEngine([_local_config(c, W) for c in e.configs], e.optimizer), comm) for e in m.engines]
+    return module

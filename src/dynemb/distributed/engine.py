@@ -1,0 +1,189 @@
+"""Sharded engines: the functional layer of a table (or group of tables) split row-wise by key.
+
+A sharded engine stands where the module expects its engine (``resolve``, ``gather``,
+``apply_gradients``, ``find``, ``apply_pending``) and keeps the module's policy code unchanged.
+Each call is collective: every rank calls it with its own unique keys, the keys travel to their
+owners (:func:`dynemb.distributed.comm.owner_of`), each owner runs the local engine (the
+functional layer, never the index or the store directly) on the union of the keys it received,
+and the results travel back. The local engine holds only the rank's keys.
+
+Forward (``resolve`` then ``gather``): keys (and their counts, given scores) to owners; owners
+de-duplicate across ranks, resolve (inserting in training) and gather; rows and the
+found / inserted / placed flags come back. Backward (``apply_gradients``): per-key gradients to
+owners, summed per key across ranks, one fused step of the owner's rows. Keys an owner could
+not place come back as not placed, and the asking rank reports them as its failed keys.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dynemb.distributed.comm import Comm, owner_of
+from dynemb.nn.functional import Resolved, nonfinite_rows
+from dynemb.nn.group import GroupResolved
+from dynemb.table.index import unique_pairs
+from dynemb.types import NonFiniteGrads
+
+
+class _Route:
+    """Where one call's keys went: the caller's permutation by owner and the split sizes."""
+
+    def __init__(self, comm: Comm, keys: torch.Tensor):
+        self.comm = comm
+        owner = owner_of(keys, comm.world_size)
+        by_owner = torch.sort(owner, stable=True)
+        self.order = by_owner.indices  # [U] caller keys in owner order
+        self.send = torch.bincount(by_owner.values, minlength=comm.world_size).tolist()
+        self.recv = comm.counts(self.send)
+
+    def out(self, t: torch.Tensor) -> torch.Tensor:
+        """Rows of ``t`` [U, *] (caller order) to their owners; returns the rows this rank owns."""
+        return self.comm.exchange(t.index_select(0, self.order), self.send, self.recv)
+
+    def back(self, t: torch.Tensor) -> torch.Tensor:
+        """Answers [R, *] (the rows received, in order) back to the callers, in caller order."""
+        answered = self.comm.exchange(t, self.recv, self.send)
+        return torch.empty_like(answered).index_copy_(0, self.order, answered)
+
+
+class _Sharded:
+    """What the sharded table and group engines share: the local engine, its Comm and the rows
+    of the last resolve / find (``gather`` reads them)."""
+
+    collective = True
+
+    def __init__(self, local, comm: Comm):
+        self.local = local
+        self.comm = comm
+        self._rows_data: torch.Tensor | None = None
+
+    def __getattr__(self, name):
+        # Everything else (config, optimizer, index, store, version, stats, export, ...) is the
+        # local shard's.
+        if name == "local":
+            raise AttributeError(name)
+        return getattr(self.local, name)
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows [U, D+S] of the last resolve / find (``rows``: its placeholders, -1 allowed)."""
+        if self._rows_data is None:
+            raise RuntimeError("sharded engine: gather() before resolve() or find()")
+        return self._rows_data.index_select(0, rows.clamp(min=0))
+
+    def _dedup(self, keys: torch.Tensor, segs: torch.Tensor | None):
+        """Distinct (segment, key) pairs of the keys received: (keys [R'], segs or None, inverse [R])."""
+        if segs is None:
+            uk, inv = torch.unique(keys, sorted=True, return_inverse=True)
+            return uk, None, inv
+        (us, uk), inv, _ = unique_pairs(segs, keys)
+        return uk, us, inv
+
+    def _resolve(self, keys, segs, *, train, now, counts, insertable, scores, evicted_contents, init_rows):
+        if insertable is not None:
+            raise NotImplementedError("admission on a sharded table: the admission counters would be per rank (shard() refuses it)")
+        route = _Route(self.comm, keys)
+        rkeys = route.out(keys)
+        rsegs = None if segs is None else route.out(segs)
+        uk, us, inv = self._dedup(rkeys, rsegs)
+        ucounts = None
+        if train:
+            rcounts = route.out(torch.ones_like(keys) if counts is None else counts)
+            ucounts = torch.zeros_like(uk).index_add_(0, inv, rcounts)
+        uscores = None
+        if scores is not None:
+            rscores = route.out(scores)
+            uscores = torch.full_like(uk, torch.iinfo(torch.int64).min).scatter_reduce_(0, inv, rscores, reduce="amax")
+        seg_arg = () if us is None else (us,)
+        r = self.local.resolve(uk, *seg_arg, train=train, now=now, counts=ucounts, scores=uscores, evicted_contents=evicted_contents, init_rows=init_rows)
+        data = self.local.gather(r.rows)
+        flags = torch.stack([r.ok, r.found, r.inserted], 1).to(torch.uint8).index_select(0, inv)  # [R, 3]
+        data = route.back(data.index_select(0, inv))  # [U, D+S]
+        ok, found, inserted = route.back(flags).bool().unbind(1)
+        self._rows_data = data
+        placeholder = torch.where(ok, torch.arange(keys.numel(), device=keys.device), -1)
+        failed = ~ok if train else torch.zeros_like(ok)
+        return r, placeholder, found, inserted, failed
+
+    def _find(self, keys, segs):
+        route = _Route(self.comm, keys)
+        rkeys = route.out(keys)
+        rsegs = None if segs is None else route.out(segs)
+        uk, us, inv = self._dedup(rkeys, rsegs)
+        rows, found = self.local.find(uk) if us is None else self.local.find(uk, us)
+        data = route.back(self.local.gather(rows).index_select(0, inv))
+        found = route.back(found.to(torch.uint8).index_select(0, inv)).bool()
+        self._rows_data = data
+        return torch.where(found, torch.arange(keys.numel(), device=keys.device), -1), found
+
+    def _apply(self, keys, segs, rows, grads, nonfinite: NonFiniteGrads, stepped=None) -> int:
+        """Send each placed key's gradient to its owner; owners sum per key and step once."""
+        keep = (rows >= 0).nonzero().squeeze(1)
+        if keep.numel() != keys.numel():
+            keys, grads = keys.index_select(0, keep), grads.index_select(0, keep)
+            segs = None if segs is None else segs.index_select(0, keep)
+        route = _Route(self.comm, keys)
+        rkeys = route.out(keys)
+        rsegs = None if segs is None else route.out(segs)
+        rgrads = route.out(grads)
+        uk, us, inv = self._dedup(rkeys, rsegs)
+        gsum = grads.new_zeros((uk.numel(), grads.shape[1])).index_add_(0, inv, rgrads)
+        if nonfinite is NonFiniteGrads.RAISE:
+            # Every rank must raise together (a rank that raised alone would leave the others
+            # waiting in the next collective): agree first, then the owner of the bad keys
+            # raises with their names and the others point at it.
+            bad = nonfinite_rows(gsum, torch.ones_like(uk, dtype=torch.bool)) is not None
+            if self.comm.all_reduce_max(int(bad)) and not bad:
+                raise FloatingPointError(
+                    "non-finite gradient for keys owned by another rank (it names them): no row of this batch was updated on any rank (nonfinite_grads='raise')"
+                )
+        found_rows, _ = self.local.find(uk) if us is None else self.local.find(uk, us)
+        if us is None:
+            return self.local.apply_gradients(uk, found_rows, gsum, nonfinite=nonfinite)
+        return self.local.apply_gradients(uk, us, found_rows, gsum, nonfinite=nonfinite, stepped=stepped)
+
+    def _any_pending(self, n: int) -> bool:
+        return bool(self.comm.all_reduce_max(int(n)))
+
+
+class ShardedTableEngine(_Sharded):
+    """A :class:`dynemb.nn.functional.TableEngine` split row-wise over a process group."""
+
+    def resolve(self, keys, *, train, now, counts=None, insertable=None, scores=None, evicted_contents=False, init_rows=True) -> Resolved:
+        r, rows, found, inserted, failed = self._resolve(
+            keys, None, train=train, now=now, counts=counts, insertable=insertable, scores=scores,
+            evicted_contents=evicted_contents, init_rows=init_rows,
+        )  # fmt: skip
+        return Resolved(keys, rows, found, inserted, r.evicted_keys, r.evicted, keys[failed])
+
+    def find(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._find(keys, None)
+
+    def apply_gradients(self, keys, rows, grads, *, data=None, version=None, nonfinite=NonFiniteGrads.SKIP) -> int:
+        return self._apply(keys, None, rows, grads, nonfinite)
+
+    def apply_pending(self, keys, grads, *, nonfinite=NonFiniteGrads.SKIP) -> int:
+        if not self._any_pending(keys.numel()):
+            return 0
+        return self._apply(keys, None, torch.zeros_like(keys), grads, nonfinite)
+
+
+class ShardedGroupEngine(_Sharded):
+    """A :class:`dynemb.nn.group.GroupEngine` split row-wise over a process group."""
+
+    def resolve(self, keys, segments, *, train, now, counts=None, insertable=None, scores=None, evicted_contents=False, init_rows=True) -> GroupResolved:
+        r, rows, found, inserted, failed = self._resolve(
+            keys, segments, train=train, now=now, counts=counts, insertable=insertable, scores=scores,
+            evicted_contents=evicted_contents, init_rows=init_rows,
+        )  # fmt: skip
+        return GroupResolved(keys, segments, rows, found, inserted, r.evicted_keys, r.evicted_segments, r.evicted, keys[failed], segments[failed])
+
+    def find(self, keys: torch.Tensor, segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._find(keys, segments)
+
+    def apply_gradients(self, keys, segments, rows, grads, *, data=None, version=None, nonfinite=NonFiniteGrads.SKIP, stepped=None) -> int:
+        return self._apply(keys, segments, rows, grads, nonfinite, stepped)
+
+    def apply_pending(self, keys, segments, grads, *, nonfinite=NonFiniteGrads.SKIP) -> int:
+        if not self._any_pending(keys.numel()):
+            return 0
+        return self._apply(keys, segments, torch.zeros_like(keys), grads, nonfinite)
