@@ -31,7 +31,7 @@ import torch
 from dynemb.distributed.comm import Comm, ShardingError, owner_of
 from dynemb.distributed.engine import ShardedGroupEngine, ShardedTableEngine
 
-__all__ = ["ShardingError", "owner_of", "shard", "is_sharded"]
+__all__ = ["ShardingError", "is_sharded", "owner_of", "shard"]
 
 
 def _local_config(config, world_size: int):
@@ -64,8 +64,8 @@ def shard(module: torch.nn.Module, process_group=None, *, timeout: datetime.time
         ValueError: a table holds keys, uses admission, or was sharded already.
     """
     from dynemb.nn.collection import _DynamicCollection
-    from dynemb.nn.group import GroupEngine
     from dynemb.nn.functional import TableEngine
+    from dynemb.nn.group import GroupEngine
     from dynemb.nn.module import DynamicTable
 
     targets = [(n, m) for n, m in module.named_modules() if isinstance(m, (DynamicTable, _DynamicCollection))]

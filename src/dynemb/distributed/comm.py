@@ -75,14 +75,14 @@ class Comm:
         seq = self._seq
         try:
             self._store.set(f"{self._ident}seq/{self.rank}", str(seq))
-        except Exception:  # noqa: BLE001 - the store lives on rank 0; the collective will tell
+        except Exception:
             pass
         t0 = time.monotonic()
         try:
             work = start()
             if work is not None and not work.wait(self.timeout):
                 raise TimeoutError(f"no answer within {self.timeout.total_seconds():g} s")
-        except Exception as e:  # noqa: BLE001 - every failure becomes one ShardingError
+        except Exception as e:
             raise self._failure(what, seq, e, time.monotonic() - t0) from e
 
     def _failure(self, what: str, seq: int, cause: Exception, waited: float) -> ShardingError:
@@ -103,7 +103,7 @@ class Comm:
                 if not culprits or time.monotonic() > deadline:
                     break
                 time.sleep(0.1)
-        except Exception:  # noqa: BLE001 - rank 0 (the store) is gone: say what we know
+        except Exception:
             culprits = []
         who = (
             (f"rank {culprits[0]}" if len(culprits) == 1 else f"ranks {culprits}") + " did not take part (it died, raised, or is stuck)"
