@@ -73,11 +73,14 @@ def _size(e: Entry) -> int:
     return engine.index.size() if s is None else int(engine.index.segment_sizes()[s])
 
 
-def _write_table(writer: _files.Writer, e: Entry, chunk_rows: int, *, delta: bool, layout: bool, bar) -> dict:
+def _write_table(writer: _files.Writer, e: Entry, chunk_rows: int, *, delta: bool, layout: bool, bar, rank: int | None = None) -> dict:
+    """Write one table's files; ``rank``: this rank's part of a sharded save (its keys, files
+    named ``rows-r<rank>-<k>``; rank 0 also writes the generator)."""
     engine, s, _ = e.location
     D = engine.embedding_dim
     folder = _files.table_dir(e.name)
     out_files, rows_total, tomb_total = [], 0, 0
+    tag = "" if rank is None else f"r{rank:05d}-"
     dirty = e.changes().dirty if delta else None
     layout_slots = []
     stored = getattr(engine.store, "data", None)
@@ -107,7 +110,7 @@ def _write_table(writer: _files.Writer, e: Entry, chunk_rows: int, *, delta: boo
             data = engine.store.gather(rows)
             emb, opt = data[:, :D], data[:, D:]
         entry = writer.write_tensors(
-            f"{folder}/rows-{k:06d}.safetensors",
+            f"{folder}/rows-{tag}{k:06d}.safetensors",
             {"keys": keys, "embeddings": emb, "optimizer_state": opt, "scores": scores},
             "rows",
             n,
@@ -128,7 +131,7 @@ def _write_table(writer: _files.Writer, e: Entry, chunk_rows: int, *, delta: boo
         if left.numel():
             left = left[~e.find_rows(left)[1]]
         if left.numel():
-            out_files.append(writer.write_tensors(f"{folder}/tombstones-000000.safetensors", {"keys": left}, "tombstones", left.numel()))
+            out_files.append(writer.write_tensors(f"{folder}/tombstones-{tag}000000.safetensors", {"keys": left}, "tombstones", left.numel()))
             tomb_total = left.numel()
     if layout:
         index = engine.index
@@ -144,7 +147,8 @@ def _write_table(writer: _files.Writer, e: Entry, chunk_rows: int, *, delta: boo
         out_files.append(writer.write_tensors(f"{folder}/layout.safetensors", lay, "layout"))
     if e.admission is not None:
         out_files.append(writer.write_tensors(f"{folder}/admission.safetensors", e.admission.state_dict(), "admission"))
-    out_files.append(writer.write_tensors(f"{folder}/generator.safetensors", {"state": e.generator.get_state()}, "generator"))
+    if not rank:
+        out_files.append(writer.write_tensors(f"{folder}/generator.safetensors", {"state": e.generator.get_state()}, "generator"))
     config = e.config
     return {
         "kind": "collection" if e.is_collection else "table",
@@ -162,61 +166,149 @@ def _write_table(writer: _files.Writer, e: Entry, chunk_rows: int, *, delta: boo
     }
 
 
+def _comm_of(es: list[Entry]):
+    """The Comm of a sharded model's tables (None when unsharded); all or none must be sharded."""
+    comms = {id(getattr(e.engine, "comm", None)): getattr(e.engine, "comm", None) for e in es}
+    if len(comms) == 1:
+        return next(iter(comms.values()))
+    found = [c for c in comms.values() if c is not None]
+    if None in comms.values() or any((c.rank, c.world_size) != (found[0].rank, found[0].world_size) for c in found):
+        raise ValueError("model: some dynemb tables are sharded and others not (or over other groups); shard all of them with one shard() call")
+    return found[0]
+
+
+def _merge_tables(parts: list[dict]) -> dict:
+    """One manifest's tables from every rank's entries of a sharded save (rank 0's first)."""
+    merged = {}
+    for name, first in parts[0].items():
+        entry = dict(first)
+        ranks = [p[name] for p in parts]
+        entry["files"] = [f for r in ranks for f in r["files"]]
+        entry["rows"] = sum(r["rows"] for r in ranks)
+        entry["tombstones"] = sum(r["tombstones"] for r in ranks)
+        counters = dict(first["counters"])
+        for c in ("step", "optimizer_step", "last_timestamp"):
+            counters[c] = max(r["counters"][c] for r in ranks)
+        for c in ("erased", "nonfinite_grads"):
+            counters[c] = sum(r["counters"][c] for r in ranks)
+        counters["index"] = [sum(v) for v in zip(*(r["counters"]["index"] for r in ranks))]
+        entry["counters"] = counters
+        config = dict(first["config"])
+        if isinstance(config.get("capacity"), int):
+            # The table's capacity over all ranks (each rank holds capacity // world size).
+            config["capacity"] = sum(r["config"]["capacity"] for r in ranks)
+        entry["config"] = config
+        merged[name] = entry
+    return merged
+
+
 def _save(model, path, *, delta_of: tuple[Path, dict] | None, chunk_rows: int, overwrite: bool, layout: bool, dense: bool, progress: bool) -> str:
     if not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1:
         raise ValueError(f"chunk_rows={chunk_rows!r}: must be an int >= 1")
     es = entries(model)
     if not es:
         raise ValueError(f"model={type(model).__name__}: holds no dynemb table to save")
-    writer = _files.Writer(path, overwrite=overwrite)
-    ckpt_id = _files.new_id()
+    # A sharded model saves from every rank: rank 0 makes the temporary directory and writes the
+    # manifest, every rank writes its own keys' files into it (docs/format.md, "Sharded saves").
+    comm = _comm_of(es)
+    rank = None if comm is None else comm.rank
+    writer, ckpt_id, error = None, _files.new_id(), None
+    if not rank:
+        try:
+            writer = _files.Writer(path, overwrite=overwrite)
+        except BaseException as err:
+            if comm is None:
+                raise
+            error = err
+    if comm is not None:
+        tmp, ckpt_id, problem = comm.all_gather_object((None if writer is None else str(writer.tmp), ckpt_id, repr(error) if error else None))[0]
+        if error is not None:
+            raise error
+        if problem is not None:
+            raise RuntimeError(f"dynemb.checkpoint: rank 0 could not start the save to {path}: {problem}")
+        if rank:
+            writer = _files.Writer(path, overwrite=overwrite, tmp=Path(tmp))
+        layout = False  # a rank's slots mean nothing at another world size
     try:
         with _locked(es):
-            if delta_of is not None:
-                base_dir, base = delta_of
-                stale = [e.name for e in es if getattr(e.module, "_checkpoint_id", None) != base["id"] or e.engine.changes is None]
-                if stale:
-                    raise CheckpointError(
-                        f"tables {stale} do not track changes since this checkpoint (their last save or load was another one); "
-                        "save_delta needs the checkpoint most recently saved or loaded by this model as base",
-                        base_dir,
-                    )
-            bar = _progress(sum(_size(e) for e in es), "dynemb save", progress)
-            tables = {
-                e.name: _write_table(writer, e, chunk_rows, delta=delta_of is not None, layout=layout and delta_of is None, bar=bar) for e in es
-            }
-            if bar is not None:
-                bar.close()
-            manifest = {
-                "format": _files.FORMAT,
-                "format_version": _files.FORMAT_VERSION,
-                "dynemb_version": __version__,
-                "kind": "full" if delta_of is None else "delta",
-                "id": ckpt_id,
-                "base": None,
-                "chain": [],
-                "created": _files.now_iso(),
-                "tables": tables,
-            }
-            if delta_of is not None:
-                base_dir, base = delta_of
-                manifest["base"] = {"id": base["id"], "path": os.path.relpath(base_dir.resolve(), Path(path).resolve().parent)}
-                manifest["chain"] = [*base.get("chain", []), base["id"]]
-            if dense:
-                state = _dense_state(model, es)
-                if state:
-                    manifest["dense"] = writer.write_tensors(_DENSE, state, "dense")
-            writer.commit(manifest)
+            problem = None
+            try:
+                if delta_of is not None:
+                    base_dir, base = delta_of
+                    stale = [e.name for e in es if getattr(e.module, "_checkpoint_id", None) != base["id"] or e.engine.changes is None]
+                    if stale:
+                        raise CheckpointError(
+                            f"tables {stale} do not track changes since this checkpoint (their last save or load was another one); "
+                            "save_delta needs the checkpoint most recently saved or loaded by this model as base",
+                            base_dir,
+                        )
+                bar = _progress(sum(_size(e) for e in es), "dynemb save", progress)
+                tables = {
+                    e.name: _write_table(writer, e, chunk_rows, delta=delta_of is not None, layout=layout and delta_of is None, bar=bar, rank=rank) for e in es
+                }
+                if bar is not None:
+                    bar.close()
+                writer.finish()
+            except BaseException as err:
+                if comm is None:
+                    raise
+                problem, tables = err, None
+            if comm is not None:
+                parts = comm.all_gather_object((tables, None if problem is None else f"{type(problem).__name__}: {problem}"))
+                failed = [(r, p[1]) for r, p in enumerate(parts) if p[1] is not None]
+                if problem is not None:
+                    raise problem
+                if failed:
+                    raise RuntimeError(f"dynemb.checkpoint: the save failed on rank {failed[0][0]}: {failed[0][1]}")
+                tables = _merge_tables([p[0] for p in parts])
+            committed = None
+            if not rank:
+                manifest = {
+                    "format": _files.FORMAT,
+                    "format_version": _files.FORMAT_VERSION,
+                    "dynemb_version": __version__,
+                    "kind": "full" if delta_of is None else "delta",
+                    "id": ckpt_id,
+                    "base": None,
+                    "chain": [],
+                    "created": _files.now_iso(),
+                    "tables": tables,
+                }
+                if comm is not None:
+                    manifest["world_size"] = comm.world_size
+                if delta_of is not None:
+                    base_dir, base = delta_of
+                    manifest["base"] = {"id": base["id"], "path": os.path.relpath(base_dir.resolve(), Path(path).resolve().parent)}
+                    manifest["chain"] = [*base.get("chain", []), base["id"]]
+                try:
+                    if dense:
+                        state = _dense_state(model, es)
+                        if state:
+                            manifest["dense"] = writer.write_tensors(_DENSE, state, "dense")
+                    writer.commit(manifest)
+                except BaseException as err:
+                    if comm is None:
+                        raise
+                    committed = err
+            if comm is not None:
+                outcome = comm.all_gather_object(None if committed is None else repr(committed))[0]
+                if committed is not None:
+                    raise committed
+                if outcome is not None:
+                    raise RuntimeError(f"dynemb.checkpoint: rank 0 could not commit the save to {path}: {outcome}")
             for e in es:
                 e.changes().reset()
                 e.module._checkpoint_id = ckpt_id
     except BaseException:
-        writer.abort()
+        if not rank:
+            writer.abort()
         raise
     return ckpt_id
 
 
-def save(model: torch.nn.Module, path, *, chunk_rows: int = 1 << 16, overwrite: bool = False, layout: bool = True, dense: bool = False, progress: bool = False) -> str:
+def save(
+    model: torch.nn.Module, path, *, chunk_rows: int = 1 << 16, overwrite: bool = False, layout: bool = True, dense: bool = False, progress: bool = False
+) -> str:
     """Write every dynemb table of ``model`` to the checkpoint directory ``path``.
 
     Args:
@@ -590,7 +682,8 @@ def _build_engine(sample: Entry, parts: list[tuple[int | None, dict, Entry]], *,
     """A fresh engine for one DynamicTable or one collection group, filled with ``parts``
     (segment, data with whole rows [K, D+S], entry); returns it and the keys dropped per table.
     Raises CheckpointError (nothing changed) if keys do not fit and ``on_overflow`` is "raise"."""
-    engine = sample.engine
+    # A sharded table's engine wraps the rank's local one: the fresh engine is a local one too.
+    engine = getattr(sample.engine, "local", sample.engine)
     grouped = not isinstance(engine, TableEngine)
 
     def new_engine():
@@ -712,6 +805,14 @@ def load(
         raise ValueError(f"on_overflow={on_overflow!r}: must be 'raise' or 'evict'")
     chain = chain_of(path)
     es = entries(model)
+    comm = _comm_of(es)
+    if comm is not None and owns is None:
+        # A sharded model: each rank keeps the keys it owns at the current world size.
+        from dynemb.distributed.comm import owner_of
+
+        def owns(keys: torch.Tensor) -> torch.Tensor:
+            return owner_of(keys, comm.world_size) == comm.rank
+
     by_name = {e.name: e for e in es}
     names = set(chain[-1][1]["tables"])
     # Rows files of the tables read below are hashed as they are read (one read per file);
@@ -896,6 +997,9 @@ def _install(members: list[Entry], fresh, parts, data: dict, optimizer_state: bo
         # The group index's own totals are the sums over its tables (segments do not grow).
         totals = fresh.index._segment_stats.sum(1).tolist()
         fresh.index._stats.update(inserts=totals[0], evictions=totals[1], failed_inserts=totals[2])
+    old_engine = first.engine
+    if getattr(old_engine, "collective", False):
+        fresh = type(old_engine)(fresh, old_engine.comm)
     if first.table is None:
         module.engine = fresh
         if getattr(module, "_pending", None) is not None:

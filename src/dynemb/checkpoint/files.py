@@ -100,8 +100,14 @@ class Writer:
         overwrite: replace an existing checkpoint at ``path`` (else it is an error).
     """
 
-    def __init__(self, path: str | os.PathLike, overwrite: bool = False):
+    def __init__(self, path: str | os.PathLike, overwrite: bool = False, *, tmp: Path | None = None):
         self.path = Path(path)
+        if tmp is not None:
+            # A sharded save's other ranks write their files into the directory rank 0 made.
+            self.tmp, self.overwrite = Path(tmp), overwrite
+            self._flushing: list[concurrent.futures.Future] = []
+            self._hashing: list[tuple[dict, concurrent.futures.Future]] = []
+            return
         if self.path.name.startswith("."):
             raise ValueError(f"path={str(path)!r}: a checkpoint's name must not start with '.' (those are temporary or replaced saves)")
         if (self.path.exists() or _aside(self.path)) and not overwrite:
@@ -150,13 +156,17 @@ class Writer:
         while entry["sha256"] is None and self._hashing:
             self._settle_hash()
 
-    def commit(self, manifest: dict) -> None:
-        """Write the manifest, fsync everything, and rename the directory into place."""
+    def finish(self) -> None:
+        """Wait until every file written is hashed (its entry complete) and fsynced."""
         while self._hashing:
             self._settle_hash()
-        data = json.dumps(manifest, indent=1, sort_keys=False).encode()
         while self._flushing:
             self._flushing.pop(0).result()
+
+    def commit(self, manifest: dict) -> None:
+        """Write the manifest, fsync everything, and rename the directory into place."""
+        self.finish()
+        data = json.dumps(manifest, indent=1, sort_keys=False).encode()
         for name, content in ((MANIFEST, data), (MANIFEST_SHA, f"{hashlib.sha256(data).hexdigest()}  {MANIFEST}\n".encode())):
             with open(self.tmp / name, "wb") as f:
                 f.write(content)
@@ -259,8 +269,8 @@ def _is_count(v) -> bool:
 
 # File names per role (docs/format.md "Directory"); a role a checkpoint kind does not have is absent.
 _ROLE_NAMES = {
-    "rows": re.compile(r"rows-\d{6}\.safetensors"),
-    "tombstones": re.compile(r"tombstones-\d{6}\.safetensors"),
+    "rows": re.compile(r"rows-(r\d{5}-)?\d{6}\.safetensors"),
+    "tombstones": re.compile(r"tombstones-(r\d{5}-)?\d{6}\.safetensors"),
     "admission": re.compile(r"admission\.safetensors"),
     "generator": re.compile(r"generator\.safetensors"),
     "layout": re.compile(r"layout\.safetensors"),
