@@ -22,3 +22,24 @@ def test_short_demo_run_beats_chance(capsys):
     assert value > 0.58
     out = capsys.readouterr().out
     assert "held-out AUC" in out and "evictions" in out
+
+
+def test_distributed_demo_under_torchrun():
+    """README's distributed command, shortened: 2 gloo processes, tables sharded, per-rank stats."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    cmd += ["-m", "dynemb.demo"]
+    cmd += ["--distributed", "--steps", "60", "--batch-size", "256", "--eval-samples", "4000"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("held-out AUC") for line in lines), done.stdout
+    rows = [line.split() for line in lines if line[:1].isdigit()]
+    assert {(r[0], r[1]) for r in rows} == {(rank, t) for rank in "01" for t in ("users", "items", "tags")}, done.stdout

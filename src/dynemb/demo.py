@@ -2,6 +2,7 @@
 
     python -m dynemb.demo                 # CPU, under a minute on 2 cores
     python -m dynemb.demo --device cuda
+    torchrun --nproc-per-node 2 -m dynemb.demo --distributed    # tables sharded over 2 processes
 
 B samples per batch, K latent dim of the planted signal, D embedding dim, T tags per sample.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 
@@ -68,7 +70,6 @@ class ClickLog:
         dot = (latent(users, 1) * latent(items, 2)).sum(1) / math.sqrt(K)
         bias = latent(items, 3)[:, 0] - 0.5
         return self.scale * dot + bias
-
 
 
 class ClickModel(torch.nn.Module):
@@ -150,17 +151,42 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--eval-samples", type=int, default=50_000)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--distributed",
+        action="store_true",
+        help="shard the tables over the processes of torchrun (gloo on CPU, NCCL with --device cuda); --batch-size is per process",
+    )
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available on this machine")
 
+    rank, world = 0, 1
+    if args.distributed:
+        import torch.distributed as dist
+
+        import dynemb.distributed
+
+        if "RANK" not in os.environ:
+            parser.error("--distributed: run under torchrun, e.g. torchrun --nproc-per-node 2 -m dynemb.demo --distributed")
+        if args.device.startswith("cuda"):
+            args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+            torch.cuda.set_device(args.device)
+        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+
     torch.manual_seed(args.seed)
-    log = ClickLog(args.seed)
+    # Each process draws its own samples; the planted signal is the same everywhere.
+    log = ClickLog(args.seed + 7919 * rank)
     model = ClickModel(args.dim, args.device)
+    if args.distributed:
+        dynemb.distributed.shard(model.sparse)
+        model.mlp = torch.nn.parallel.DistributedDataParallel(model.mlp)
     dense_opt = torch.optim.Adam(model.mlp.parameters(), lr=3e-3)
     loss_fn = torch.nn.BCEWithLogitsLoss()
-    print(f"dynemb demo: {args.steps} steps x {args.batch_size} samples on {args.device}", file=sys.stderr)
-    progress = Progress(args.steps)
+    where = f"{world} processes x " if args.distributed else ""
+    if rank == 0:
+        print(f"dynemb demo: {args.steps} steps x {where}{args.batch_size} samples on {args.device}", file=sys.stderr)
+    progress = Progress(args.steps) if rank == 0 else None
     smoothed = None
     model.train()
     for step in range(1, args.steps + 1):
@@ -170,7 +196,8 @@ def main(argv: list[str] | None = None) -> float:
         loss.backward()
         dense_opt.step()
         smoothed = loss.item() if smoothed is None else 0.98 * smoothed + 0.02 * loss.item()
-        progress.update(step, smoothed)
+        if progress is not None:
+            progress.update(step, smoothed)
 
     model.eval()
     held_out = ClickLog(args.seed + 1)
@@ -179,10 +206,22 @@ def main(argv: list[str] | None = None) -> float:
         scores = model(*(t.to(args.device) for t in (users, items, previous, tags))).cpu()
     model_auc = auc(scores, clicks)
     ceiling = auc(held_out.planted_logits(users, items), clicks)
-    print(f"held-out AUC: {model_auc:.4f}   (0.5 = chance; the planted signal itself scores {ceiling:.4f})")
-    print(f"{'table':<8}{'size':>9}{'capacity':>10}{'load':>7}{'inserts':>10}{'evictions':>11}{'failed':>8}")
-    for name, s in model.sparse.stats().items():
-        print(f"{name:<8}{s['size']:>9}{s['capacity']:>10}{s['load_factor']:>7.2f}{s['inserts']:>10}{s['evictions']:>11}{s['failed_inserts']:>8}")
+    if rank == 0:
+        print(f"held-out AUC: {model_auc:.4f}   (0.5 = chance; the planted signal itself scores {ceiling:.4f})")
+        print(("rank  " if args.distributed else "") + f"{'table':<8}{'size':>9}{'capacity':>10}{'load':>7}{'inserts':>10}{'evictions':>11}{'failed':>8}")
+    for r in range(world):
+        # Each rank's shard, in rank order (a sharded table's stats are its rank's).
+        if r == rank:
+            for name, s in model.sparse.stats().items():
+                print(
+                    (f"{rank:<6}" if args.distributed else "")
+                    + f"{name:<8}{s['size']:>9}{s['capacity']:>10}{s['load_factor']:>7.2f}{s['inserts']:>10}{s['evictions']:>11}{s['failed_inserts']:>8}",
+                    flush=True,
+                )
+        if args.distributed:
+            dist.barrier()
+    if args.distributed:
+        dist.destroy_process_group()
     return model_auc
 
 
