@@ -60,6 +60,8 @@ class Comm:
         # One id per Comm shared by all ranks: the ranks build Comms in the same order.
         self._seq = 0
         self._ident = self._agree_ident()
+        # Bytes this rank sent to other ranks through all-to-alls (benchmarks read it).
+        self.bytes_sent = 0
 
     def _agree_ident(self) -> str:
         """A name for this Comm that every rank agrees on (rank 0's choice)."""
@@ -128,6 +130,7 @@ class Comm:
         """All-to-all of one count per peer: ``send[r]`` goes to rank r; returns what each sent."""
         inp = torch.tensor(send, dtype=torch.int64, device=self.device)
         out = torch.empty_like(inp)
+        self.bytes_sent += 8 * (self.world_size - 1)
         self._run("all_to_all of counts", lambda: dist.all_to_all_single(out, inp, group=self.group, async_op=True))
         return out.tolist()
 
@@ -136,6 +139,8 @@ class Comm:
         returns the rows received [sum(recv), *], rank 0's first."""
         inp = tensor.to(self.device).contiguous()
         out = inp.new_empty((sum(recv), *inp.shape[1:]))
+        row = inp[:1].numel() * inp.element_size()
+        self.bytes_sent += (sum(send) - send[self.rank]) * row
         self._run(
             f"all_to_all of {tuple(inp.shape[1:]) or 'scalar'} rows",
             lambda: dist.all_to_all_single(out, inp, output_split_sizes=recv, input_split_sizes=send, group=self.group, async_op=True),

@@ -65,7 +65,8 @@ class _Sharded:
         return getattr(self.local, name)
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rows [U, D+S] of the last resolve / find (``rows``: its placeholders, -1 allowed)."""
+        """Embeddings [U, D] of the last resolve / find (``rows``: its placeholders, -1 allowed);
+        the optimizer state stays on the owners."""
         if self._rows_data is None:
             raise RuntimeError("sharded engine: gather() before resolve() or find()")
         return self._rows_data.index_select(0, rows.clamp(min=0))
@@ -95,9 +96,10 @@ class _Sharded:
             uscores = torch.full_like(uk, torch.iinfo(torch.int64).min).scatter_reduce_(0, inv, rscores, reduce="amax")
         seg_arg = () if us is None else (us,)
         r = self.local.resolve(uk, *seg_arg, train=train, now=now, counts=ucounts, scores=uscores, evicted_contents=evicted_contents, init_rows=init_rows)
-        data = self.local.gather(r.rows)
+        # Only the embedding columns travel: the asking rank never reads optimizer state.
+        data = self.local.gather(r.rows)[:, : self.local.embedding_dim]
         flags = torch.stack([r.ok, r.found, r.inserted], 1).to(torch.uint8).index_select(0, inv)  # [R, 3]
-        data = route.back(data.index_select(0, inv))  # [U, D+S]
+        data = route.back(data.index_select(0, inv))  # [U, D]
         ok, found, inserted = route.back(flags).bool().unbind(1)
         self._rows_data = data
         placeholder = torch.where(ok, torch.arange(keys.numel(), device=keys.device), -1)
@@ -110,7 +112,7 @@ class _Sharded:
         rsegs = None if segs is None else route.out(segs)
         uk, us, inv = self._dedup(rkeys, rsegs)
         rows, found = self.local.find(uk) if us is None else self.local.find(uk, us)
-        data = route.back(self.local.gather(rows).index_select(0, inv))
+        data = route.back(self.local.gather(rows)[:, : self.local.embedding_dim].index_select(0, inv))
         found = route.back(found.to(torch.uint8).index_select(0, inv)).bool()
         self._rows_data = data
         return torch.where(found, torch.arange(keys.numel(), device=keys.device), -1), found
