@@ -27,6 +27,7 @@ def test_short_demo_run_beats_chance(capsys):
 def test_distributed_demo_under_torchrun():
     """README's distributed command, shortened: 2 gloo processes, tables sharded, per-rank stats."""
     import os
+    import signal
     import socket
     import subprocess
     import sys
@@ -37,9 +38,16 @@ def test_distributed_demo_under_torchrun():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
     cmd += ["-m", "dynemb.demo"]
     cmd += ["--distributed", "--steps", "60", "--batch-size", "256", "--eval-samples", "4000"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.splitlines()
-    assert any(line.startswith("held-out AUC") for line in lines), done.stdout
+    # A session of its own: on a timeout the launcher and both workers are killed together.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError("the distributed demo did not finish within 240 s") from None
+    assert proc.returncode == 0, stderr[-3000:]
+    lines = stdout.splitlines()
+    assert any(line.startswith("held-out AUC") for line in lines), stdout
     rows = [line.split() for line in lines if line[:1].isdigit()]
-    assert {(r[0], r[1]) for r in rows} == {(rank, t) for rank in "01" for t in ("users", "items", "tags")}, done.stdout
+    assert {(r[0], r[1]) for r in rows} == {(rank, t) for rank in "01" for t in ("users", "items", "tags")}, stdout
