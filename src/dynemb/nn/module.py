@@ -404,7 +404,7 @@ class DynamicTable(torch.nn.Module):
         """Membership without side effects: keys (Tensor[int64]) [*] -> Tensor[bool] [*]."""
         keys = self._ids(keys, "keys")
         with self._lock:
-            return self.index.find(keys)[1]
+            return self.engine.find(keys.reshape(-1))[1].view(keys.shape)
 
     def __contains__(self, key) -> bool:
         """``key in table`` for one key (an int or a one-element tensor); use :meth:`contains`
