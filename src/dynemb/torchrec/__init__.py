@@ -3,10 +3,12 @@
 ``EmbeddingBagCollection`` / ``EmbeddingCollection`` are TorchRec's modules (subclasses, same
 configs, same KeyedJaggedTensor in, same KeyedTensor / dict of JaggedTensor out) whose tables
 are dynemb tables keyed by raw int64 ids; ``convert(model)`` swaps them into an existing model.
-See docs/design/0012-torchrec.md.
+``sharders()`` and ``plan(model, world_size)`` let ``DistributedModelParallel`` shard them
+row-wise. See docs/design/0012-torchrec.md and 0016-torchrec-dmp.md.
 """
 
 from dynemb.torchrec.convert import convert
 from dynemb.torchrec.modules import EmbeddingBagCollection, EmbeddingCollection
+from dynemb.torchrec.sharding import plan, sharders
 
-__all__ = ["EmbeddingBagCollection", "EmbeddingCollection", "convert"]
+__all__ = ["EmbeddingBagCollection", "EmbeddingCollection", "convert", "plan", "sharders"]

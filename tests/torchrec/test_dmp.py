@@ -1,0 +1,341 @@
+"""TorchRec's DistributedModelParallel shards dynemb's TorchRec modules row-wise
+(dynemb.torchrec.plan / sharders): TorchRec's DLRM on the dynemb EBC, a sequence model on the
+dynemb EC, and a weighted EBC with a shared feature and deferred updates, on gloo processes
+spawned here, train like the unsharded model on the concatenated batches (losses step by step,
+then every row and optimizer state gathered by key, each key on rank uint64(key) % W); plan()
+errors.
+
+W ranks, B samples per rank, F features, D embedding dim, N ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import socket
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torchrec
+from torchrec import EmbeddingBagConfig, EmbeddingConfig, KeyedJaggedTensor, PoolingType
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.types import ShardingType
+from torchrec.models.dlrm import DLRM
+from torchrec_testing import INT64_MAX, INT64_MIN, ids
+
+import dynemb
+import dynemb.torchrec
+
+B, D = 8, 8
+STEPS = 4
+SPECIAL = [0, -1, INT64_MIN, INT64_MAX]
+BAG_FEATURES = ["user", "item", "history"]
+SEQ_FEATURES = ["a", "b", "c"]
+SHARED_FEATURES = ["f0", "f1"]
+TIMEOUT_S = 150.0
+bce = torch.nn.functional.binary_cross_entropy_with_logits
+
+
+def _dlrm() -> DLRM:
+    tables = [
+        EmbeddingBagConfig(name="t_user", embedding_dim=D, num_embeddings=1024, feature_names=["user"]),
+        EmbeddingBagConfig(name="t_item", embedding_dim=D, num_embeddings=1024, feature_names=["item"]),
+        # MEAN: the kernel returns sums, TorchRec divides after the reduce-scatter.
+        EmbeddingBagConfig(name="t_history", embedding_dim=D, num_embeddings=1024, feature_names=["history"], pooling=PoolingType.MEAN),
+    ]
+    ebc = dynemb.torchrec.EmbeddingBagCollection(tables, optimizer=dynemb.optim.Adagrad(lr=0.1))
+    return DLRM(embedding_bag_collection=ebc, dense_in_features=4, dense_arch_layer_sizes=[16, D], over_arch_layer_sizes=[16, 1])
+
+
+class _SequenceModel(torch.nn.Module):
+    """EC -> one score per id; tables t_ab (features a, b) and t_c."""
+
+    def __init__(self):
+        super().__init__()
+        tables = [
+            EmbeddingConfig(name="t_ab", embedding_dim=D, num_embeddings=1024, feature_names=["a", "b"]),
+            EmbeddingConfig(name="t_c", embedding_dim=D, num_embeddings=1024, feature_names=["c"]),
+        ]
+        self.ec = dynemb.torchrec.EmbeddingCollection(tables, optimizer=dynemb.optim.Adagrad(lr=0.1))
+        self.proj = torch.nn.Linear(D, 1)
+
+    def forward(self, features: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> the ids' embeddings [N, D] (features in SEQ_FEATURES order) and scores [N, 1]."""
+        out = self.ec(features)
+        embeddings = torch.cat([out[f].values() for f in SEQ_FEATURES])
+        return embeddings, self.proj(embeddings)
+
+
+class _SharedFeatureModel(torch.nn.Module):
+    """Weighted EBC, f1 read by t0 and t1 (embedding names f1@t0, f1@t1), deferred updates."""
+
+    def __init__(self):
+        super().__init__()
+        tables = [
+            EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=1024, feature_names=["f0", "f1"]),
+            EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=1024, feature_names=["f1"]),
+        ]
+        self.sparse_optimizer = dynemb.optim.Adagrad(lr=0.1)
+        self.ebc = dynemb.torchrec.EmbeddingBagCollection(tables, optimizer=self.sparse_optimizer, update="deferred", is_weighted=True)
+        self.head = torch.nn.Linear(12, 1)
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        return self.head(self.ebc(features).values())  # [B, 1]
+
+
+def _global_batch(features: list[str], step: int, world: int, weighted: bool = False) -> KeyedJaggedTensor:
+    """world * B samples of every feature (0..3 ids a bag); 0, -1, int64 min and max open rank
+    0's first feature and close the last rank's last feature."""
+    g = torch.Generator().manual_seed(100 + step)
+    vocab = ids(64, seed=step)
+    lengths = torch.randint(0, 4, (len(features) * world * B,), generator=g)
+    lengths[:2] = 2
+    lengths[-2:] = 2
+    values = vocab[torch.randint(len(vocab), (int(lengths.sum()),), generator=g)]
+    values[:4] = torch.tensor(SPECIAL)
+    values[-4:] = torch.tensor(SPECIAL)
+    weights = torch.rand(values.shape, generator=g) if weighted else None
+    return KeyedJaggedTensor.from_lengths_sync(keys=features, values=values, lengths=lengths, weights=weights)
+
+
+def _local(features: KeyedJaggedTensor, rank: int) -> KeyedJaggedTensor:
+    """Samples rank * B .. (rank + 1) * B of every feature."""
+    values, lengths, weights = [], [], []
+    for f in features.keys():
+        jt = features[f]
+        lo, hi = (int(o) for o in jt.offsets()[[rank * B, (rank + 1) * B]])
+        values.append(jt.values()[lo:hi])
+        lengths.append(jt.lengths()[rank * B : (rank + 1) * B])
+        if jt.weights_or_none() is not None:
+            weights.append(jt.weights()[lo:hi])
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=features.keys(), values=torch.cat(values), lengths=torch.cat(lengths), weights=torch.cat(weights) if weights else None
+    )
+
+
+def _positions(features: KeyedJaggedTensor, rank: int) -> torch.Tensor:
+    """[N_rank] positions of the rank's ids among the global batch's ids (features in order)."""
+    out, start = [], 0
+    for f in features.keys():
+        offsets = features[f].offsets()
+        out.append(torch.arange(int(offsets[rank * B]), int(offsets[(rank + 1) * B])) + start)
+        start += int(offsets[-1])
+    return torch.cat(out)
+
+
+def _rows(collection, tables: list[str]) -> dict[tuple[str, int], torch.Tensor]:
+    """(table, key) -> embedding and optimizer state."""
+    out = {}
+    for t in tables:
+        for chunk in collection.export(t):
+            for k, e, s in zip(chunk["keys"].tolist(), chunk["embeddings"], chunk["optimizer_state"]):
+                out[(t, k)] = torch.cat([e, s])
+    return out
+
+
+def _check_rows(sharded, reference, tables: list[str]) -> None:
+    """Every rank's local rows, gathered: each key on rank uint64(key) % W only, and equal by
+    key to the unsharded model's rows."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {}
+    for t in tables:
+        mine.update(_rows(sharded.local_collection(t), [t]))
+    wrong = [k for (_, k) in mine if (k % 2**64) % world != rank]
+    assert not wrong, f"rank {rank} holds keys of other ranks: {wrong[:5]}"
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    gathered = {}
+    for part in everyone:
+        assert not gathered.keys() & part.keys()
+        gathered.update(part)
+    assert all(everyone), "a rank holds no key"
+    expected = _rows(reference, tables)
+    assert gathered.keys() == expected.keys(), sorted(gathered.keys() ^ expected.keys())[:5]
+    assert {k for (_, k) in gathered} >= set(SPECIAL)
+    for key, row in expected.items():
+        torch.testing.assert_close(gathered[key], row, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def _mean_over_ranks(loss: torch.Tensor) -> torch.Tensor:
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total / dist.get_world_size()
+
+
+def _dmp(model: torch.nn.Module) -> DistributedModelParallel:
+    plan = dynemb.torchrec.plan(model, dist.get_world_size())
+    return DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=dynemb.torchrec.sharders())
+
+
+def _twins(make) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(unsharded reference, DMP model), the same dense weights."""
+    torch.manual_seed(0)
+    reference = make()
+    torch.manual_seed(0)
+    return reference, _dmp(make())
+
+
+def _step(losses_and_optimizers) -> None:
+    for loss, opt in losses_and_optimizers:
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _dlrm_worker(rank: int, world: int) -> None:
+    reference, model = _twins(_dlrm)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, reference)]
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step)
+        dense, label = torch.randn(world * B, 4, generator=g), torch.randint(0, 2, (world * B,), generator=g).float()
+        features = _global_batch(BAG_FEATURES, step, world)
+        mine = slice(rank * B, (rank + 1) * B)
+        loss = bce(model(dense[mine], _local(features, rank)).squeeze(1), label[mine])
+        loss_ref = bce(reference(dense, features).squeeze(1), label)
+        torch.testing.assert_close(_mean_over_ranks(loss), loss_ref.detach(), msg=lambda m, step=step: f"step {step}: {m}")
+        _step(zip((loss, loss_ref), opts))
+    sharded = model.module.sparse_arch.embedding_bag_collection
+    assert type(sharded).__name__ == "ShardedDynamicEmbeddingBagCollection"
+    _check_rows(sharded, reference.sparse_arch.embedding_bag_collection.collection, ["t_user", "t_item", "t_history"])
+    # Each rank's tables hold a W-th of the capacity.
+    assert all(s["requested_capacity"] == 1024 // world for s in sharded.stats().values())
+    # The model's state_dict has the dense weights only, and says so.
+    with pytest.warns(UserWarning, match="holds no dynemb rows"):
+        state = model.state_dict()
+    assert state and not any("embedding_bag_collection" in k for k in state), sorted(state)
+
+
+def _sequence_worker(rank: int, world: int) -> None:
+    reference, model = _twins(_SequenceModel)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, reference)]
+    for step in range(STEPS):
+        features = _global_batch(SEQ_FEATURES, 10 + step, world)
+        embeddings, scores = model(_local(features, rank))
+        embeddings_ref, scores_ref = reference(features)
+        # Every id's row comes back to its rank, in the order of the rank's ids.
+        torch.testing.assert_close(embeddings, embeddings_ref[_positions(features, rank)])
+        # Per rank: sum over its ids / B; the mean over ranks is the global loss.
+        loss = (scores**2).sum() / B
+        loss_ref = (scores_ref**2).sum() / (world * B)
+        torch.testing.assert_close(_mean_over_ranks(loss), loss_ref.detach(), msg=lambda m, step=step: f"step {step}: {m}")
+        _step(zip((loss, loss_ref), opts))
+    sharded = model.module.ec
+    assert type(sharded).__name__ == "ShardedDynamicEmbeddingCollection"
+    _check_rows(sharded, reference.ec.collection, ["t_ab", "t_c"])
+
+
+def _shared_feature_worker(rank: int, world: int) -> None:
+    reference, model = _twins(_SharedFeatureModel)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, reference)]
+    for step in range(STEPS):
+        features = _global_batch(SHARED_FEATURES, 20 + step, world, weighted=True)
+        loss = (model(_local(features, rank)) ** 2).sum() / B
+        loss_ref = (reference(features) ** 2).sum() / (world * B)
+        torch.testing.assert_close(_mean_over_ranks(loss), loss_ref.detach(), msg=lambda m, step=step: f"step {step}: {m}")
+        _step(zip((loss, loss_ref), opts))
+        # Deferred: the rows change at the dynemb optimizer's step(), on every rank's shard.
+        for m in (model.module, reference):
+            m.sparse_optimizer.step()
+            m.sparse_optimizer.zero_grad()
+    _check_rows(model.module.ebc, reference.ebc.collection, ["t0", "t1"])
+
+
+WORKERS = {"dlrm": _dlrm_worker, "sequence": _sequence_worker, "shared_feature": _shared_feature_worker}
+
+
+def _run(rank: int, case: str, world: int, port: int, errors) -> None:
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+        WORKERS[case](rank, world)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(case: str, world: int) -> None:
+    """Run ``case`` on ``world`` gloo processes; fail with every worker's traceback, kill stragglers."""
+    errors = mp.get_context("spawn").SimpleQueue()
+    procs = mp.start_processes(_run, args=(case, world, _free_port(), errors), nprocs=world, join=False, start_method="spawn")
+    start = time.monotonic()
+    try:
+        while not procs.join(timeout=1.0):
+            if time.monotonic() - start > TIMEOUT_S:
+                raise AssertionError(f"{case}: workers still running after {TIMEOUT_S:.0f} s")
+    except Exception as e:
+        found = []
+        while not errors.empty():
+            found.append(errors.get())
+        report = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(found)) or str(e)
+        raise AssertionError(f"{case} at world size {world} failed:\n{report}") from None
+    finally:
+        for p in procs.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def test_dmp_shards_dlrm_and_trains_like_the_unsharded_model():
+    _spawn("dlrm", world=2)
+
+
+def test_dmp_shards_the_sequence_collection_and_trains_like_the_unsharded_model():
+    _spawn("sequence", world=2)
+
+
+def test_dmp_weighted_shared_feature_deferred_at_three_ranks():
+    # W = 3: uint64(-1) % 3 = 0 but -1 % 3 = 2 in torch, so the routing must be unsigned.
+    _spawn("shared_feature", world=3)
+
+
+def test_plan_puts_every_table_row_wise_on_the_dynemb_kernel():
+    result = dynemb.torchrec.plan(_dlrm(), 4)
+    assert list(result.plan) == ["sparse_arch.embedding_bag_collection"]
+    tables = result.plan["sparse_arch.embedding_bag_collection"]
+    assert sorted(tables) == ["t_history", "t_item", "t_user"]
+    for p in tables.values():
+        assert p.sharding_type == ShardingType.ROW_WISE.value and p.compute_kernel == "customized_kernel"
+        assert [s.placement.rank() for s in p.sharding_spec.shards] == [0, 1, 2, 3]
+    # A model that is itself the dynemb collection is planned under "".
+    assert list(dynemb.torchrec.plan(_SequenceModel().ec, 2).plan) == [""]
+    kinds = {s.module_type for s in dynemb.torchrec.sharders()}
+    assert kinds == {dynemb.torchrec.EmbeddingBagCollection, dynemb.torchrec.EmbeddingCollection}
+    assert all(s.sharding_types("cpu") == [ShardingType.ROW_WISE.value] for s in dynemb.torchrec.sharders())
+
+
+def test_plan_without_a_dynemb_module_raises():
+    with pytest.raises(ValueError, match="holds no dynemb.torchrec.EmbeddingBagCollection or EmbeddingCollection"):
+        dynemb.torchrec.plan(torch.nn.Linear(4, 1), 2)
+    # TorchRec's own collection is not dynemb's: convert() it first.
+    stock = torchrec.EmbeddingBagCollection(
+        [EmbeddingBagConfig(name="t", embedding_dim=D, num_embeddings=16, feature_names=["f"])], device=torch.device("meta")
+    )
+    with pytest.raises(ValueError, match=r"convert\(model\)"):
+        dynemb.torchrec.plan(stock, 2)
+    with pytest.raises(ValueError, match="world_size=0"):
+        dynemb.torchrec.plan(_dlrm(), 0)
+
+
+def test_sharder_refuses_foreign_plans_and_trained_modules():
+    ec = _SequenceModel().ec
+    sharder = next(s for s in dynemb.torchrec.sharders() if s.module_type is dynemb.torchrec.EmbeddingCollection)
+    params = dynemb.torchrec.plan(ec, 2).plan[""]
+    foreign = {**params, "t_c": dataclasses.replace(params["t_c"], compute_kernel="fused")}
+    with pytest.raises(ValueError, match="'t_c'.*customized_kernel"):
+        sharder.shard(ec, foreign, env=None)
+    # Rows already trained would not reach the (empty) local tables: refused.
+    ec(_global_batch(SEQ_FEATURES, 0, world=1))
+    with pytest.raises(ValueError, match="hold keys"):
+        sharder.shard(ec, params, env=None)
