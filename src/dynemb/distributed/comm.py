@@ -49,11 +49,15 @@ class Comm:
             raise RuntimeError("dynemb.distributed.shard: torch.distributed is not initialised (call torch.distributed.init_process_group first)")
         if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
             raise ValueError(f"timeout={timeout!r}: must be a positive datetime.timedelta")
-        self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.timeout = timeout
         self.backend = dist.get_backend(group)
+        # A group of our own whose backend times out with ``timeout`` too: a collective stuck on
+        # a hung peer is then aborted by gloo / NCCL themselves, so the survivors can exit after
+        # raising (the default group's timeout is 30 minutes).
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        self.group = dist.new_group(ranks=ranks, timeout=timeout, backend=self.backend, use_local_synchronization=True)
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self._store = dist.distributed_c10d._get_default_store()
         self._prefix = f"dynemb/comm/{id(self):x}/"
@@ -66,7 +70,7 @@ class Comm:
     def _agree_ident(self) -> str:
         """A name for this Comm that every rank agrees on (rank 0's choice)."""
         names = [self._prefix]
-        dist.broadcast_object_list(names, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0, group=self.group)
+        dist.broadcast_object_list(names, src=dist.get_global_rank(self.group, 0), group=self.group)
         return names[0]
 
     # -- failure-aware waiting -----------------------------------------------------------------

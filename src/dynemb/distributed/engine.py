@@ -186,6 +186,9 @@ class ShardedGroupEngine(_Sharded):
         return self._apply(keys, segments, rows, grads, nonfinite, stepped)
 
     def apply_pending(self, keys, segments, grads, *, nonfinite=NonFiniteGrads.SKIP) -> int:
+        if segments is None:
+            # An empty accumulator has no segments yet: every rank must still send them.
+            segments = torch.zeros_like(keys)
         if not self._any_pending(keys.numel()):
             return 0
         return self._apply(keys, segments, torch.zeros_like(keys), grads, nonfinite)

@@ -237,7 +237,8 @@ class _DynamicCollection(torch.nn.Module):
             for t, name in enumerate(self.table_names):
                 g, s = self._table_group[t]
                 entry = dict(per_group[g][s])
-                entry["requested_capacity"] = self.table_configs[t].capacity
+                # The engine's config: a sharded table's is this rank's share.
+                entry["requested_capacity"] = self.engines[g].configs[s].capacity
                 entry["admission_rejections"] = self.admissions[t].rejections if self.admissions[t] else 0
                 entry["nonfinite_grads"] = self.engines[g].nonfinite_grads[s]
                 entry["step"] = self.step
@@ -670,7 +671,7 @@ class DynamicEmbeddingBagCollection(_DynamicCollection):
                 if divisor is not None:
                     pooled = pooled / divisor[:, None]
             # One view per feature (unbind: its backward stacks the features' gradients at once).
-            for j, part in zip(feats, pooled.view(len(feats), B, -1).unbind(0)):
+            for j, part in zip(feats, pooled.view(len(feats), B, engine.embedding_dim).unbind(0)):
                 pooled_of[j] = part
         concat = torch.cat(pooled_of, dim=1) if len(pooled_of) > 1 else pooled_of[0]
         return PooledEmbeddings(concat, self.feature_names, self.feature_dims)
