@@ -172,3 +172,62 @@ def test_unsharded_checkpoint_loads_sharded(tmp_path):
     dynemb.checkpoint.save(model, path)
     torch.save(_collect_unsharded(model), path + ".contents.pt")
     _spawn(_load_at, 2, path)
+
+
+def _dcp_save_at(rank: int, world: int, port: int, path: str, errors) -> None:
+    try:
+        import torch.distributed.checkpoint as dcp
+
+        from dynemb.checkpoint.dcp import Stateful
+
+        _init(rank, world, port)
+        model = dynemb.distributed.shard(_model())
+        _train(model, range(5), world, rank)
+        dcp.save({"model": Stateful(model)}, checkpoint_id=path)
+        contents = _contents(model, world)
+        if rank == 0:
+            torch.save(contents, path + ".contents.pt")
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise
+
+
+def _dcp_load_at(rank: int, world: int, port: int, path: str, errors) -> None:
+    try:
+        import torch.distributed.checkpoint as dcp
+
+        from dynemb.checkpoint.dcp import Stateful, prepare_load
+
+        _init(rank, world, port)
+        saved = torch.load(path + ".contents.pt")
+        model = dynemb.distributed.shard(_model())
+        state = {"model": Stateful(model)}
+        prepare_load(state, path)
+        dcp.load(state, checkpoint_id=path)
+        _same(_contents(model, world), saved)
+        _train(model, range(5, 8), world, rank)
+        after = _contents(model, world)
+        reference = _model()
+        dynemb.checkpoint.load(reference, path + ".plain")
+        _train(reference, range(5, 8), world, None)
+        _same(after, _collect_unsharded(reference))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise
+
+
+def test_dcp_save_at_two_ranks_loads_at_three(tmp_path):
+    """torch.distributed.checkpoint: save at 2, load at 3 (tables by key, then 3 steps equal to
+    the unsharded model)."""
+    path = str(tmp_path / "dcp")
+    _spawn(_dcp_save_at, 2, path)
+    # The unsharded reference starts from the same content (a dynemb checkpoint of it).
+    plain = _model()
+    _train(plain, range(5), 2, None)
+    dynemb.checkpoint.save(plain, path + ".plain")
+    _same(_collect_unsharded(plain), torch.load(path + ".contents.pt"))
+    _spawn(_dcp_load_at, 3, path)

@@ -63,7 +63,12 @@ class Stateful:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The module's state_dict; after :func:`prepare_load`, each table entry whose saved size
-        differs is an empty tensor of the saved size and dtype, for DCP to load into."""
+        differs is an empty tensor of the saved size and dtype, for DCP to load into. A sharded
+        model's tables are row-sharded tensors instead (see :mod:`dynemb.checkpoint.dcp_sharded`)."""
+        from dynemb.checkpoint import dcp_sharded
+
+        if dcp_sharded.is_sharded_model(self.module):
+            return dcp_sharded.state_dict(self.module, self._saved)
         state = self.module.state_dict()
         if self._saved:
             prefixes = _table_prefixes(self.module)
@@ -74,7 +79,12 @@ class Stateful:
         return state
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        from dynemb.checkpoint import dcp_sharded
+
         self._saved = {}
+        if dcp_sharded.is_sharded_model(self.module):
+            dcp_sharded.load_state_dict(self.module, state_dict, strict=self.strict)
+            return
         self.module.load_state_dict(state_dict, strict=self.strict)
 
     def template_from(self, metadata: Metadata, key: str) -> None:
