@@ -769,6 +769,46 @@ def _build_engine(sample: Entry, parts: list[tuple[int | None, dict, Entry]], *,
     return fresh, dropped
 
 
+def _current_rows(e: Entry) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A table's keys [K], whole rows [K, D+S] and scores [K] as it holds them now (on CPU)."""
+    engine = e.engine
+    chunks = list(e.export(1 << 20))
+    if not chunks:
+        empty = torch.empty(0, dtype=torch.int64)
+        return empty, torch.empty(0, engine.width, dtype=engine.store.dtype), empty
+    rows = torch.cat([c[1] for c in chunks])
+    keys, scores = (torch.cat([c[i] for c in chunks]).cpu() for i in (0, 2))
+    return keys, engine.store.gather(rows.to(engine.device)).cpu(), scores
+
+
+def _plan_engines(es: list[Entry], data: dict, *, on_overflow: str, use_layout: bool) -> tuple[list, dict]:
+    """A fresh engine for every table module or collection group that ``data`` (table name ->
+    keys, whole rows, scores, manifest entry) covers; tables it does not cover keep their
+    current rows. Returns the plans (members, fresh engine, parts) for :func:`_install` and the
+    report ``{name: {"rows", "dropped"}}``; raises (nothing changed) when keys do not fit."""
+    plans, report = [], {}
+    groups: dict[int, list[Entry]] = {}
+    for e in es:
+        groups.setdefault(id(e.engine), []).append(e)
+    for members in groups.values():
+        if not any(e.name in data for e in members):
+            continue
+        parts = []
+        for e in members:
+            if e.name in data:
+                parts.append((e.location[1], data[e.name], e))
+            else:
+                # Not in the checkpoint (strict=False): keep its current rows.
+                k, vals, sc = _current_rows(e)
+                parts.append((e.location[1], {"keys": k, "values": vals, "scores": sc}, e))
+        fresh, dropped = _build_engine(members[0], parts, on_overflow=on_overflow, use_layout=use_layout and all(e.name in data for e in members))
+        plans.append((members, fresh, parts))
+        for _, d, e in parts:
+            if e.name in data:
+                report[e.name] = {"rows": int(d["keys"].numel()) - dropped[e.name], "dropped": dropped[e.name]}
+    return plans, report
+
+
 def load(
     model: torch.nn.Module,
     path,
@@ -891,33 +931,8 @@ def load(
 
     # Build every engine first; nothing in the model changes until all of them fit.
     use_layout = len(chain) == 1 and owns is None
-    plans = []  # (module, engine index or None, fresh engine, parts)
-    report = {}
     with _locked(es):
-        groups: dict[int, list[Entry]] = {}
-        for e in es:
-            groups.setdefault(id(e.engine), []).append(e)
-        for members in groups.values():
-            if not any(e.name in data for e in members):
-                continue
-            parts = []
-            for e in members:
-                engine, s, _ = e.location
-                if e.name in data:
-                    parts.append((s, data[e.name], e))
-                else:
-                    # Not in the checkpoint (strict=False): keep its current rows.
-                    chunks = list(e.export(1 << 20))
-                    k = torch.cat([c[0] for c in chunks]).cpu() if chunks else torch.empty(0, dtype=torch.int64)
-                    rows = torch.cat([c[1] for c in chunks]) if chunks else torch.empty(0, dtype=torch.int64)
-                    sc = torch.cat([c[2] for c in chunks]).cpu() if chunks else torch.empty(0, dtype=torch.int64)
-                    vals = engine.store.gather(rows.to(engine.device)).cpu()
-                    parts.append((s, {"keys": k, "values": vals, "scores": sc}, e))
-            fresh, dropped = _build_engine(members[0], parts, on_overflow=on_overflow, use_layout=use_layout and all(e.name in data for e in members))
-            plans.append((members, fresh, parts))
-            for _, d, e in parts:
-                if e.name in data:
-                    report[e.name] = {"rows": int(d["keys"].numel()) - dropped[e.name], "dropped": dropped[e.name]}
+        plans, report = _plan_engines(es, data, on_overflow=on_overflow, use_layout=use_layout)
         if dense_state is not None:
             # Copied in place into the model's own parameters and buffers (shapes checked above).
             with torch.no_grad():

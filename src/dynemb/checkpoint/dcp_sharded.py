@@ -25,9 +25,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata, init_from_local_shards
 
-from dynemb.checkpoint import _build_engine, _comm_of, _install, _locked
-from dynemb.checkpoint.tables import Entry, entries
-from dynemb.distributed.comm import owner_of
+from dynemb.checkpoint import _comm_of, _current_rows, _install, _locked, _plan_engines
+from dynemb.checkpoint.dcp import _table_prefixes
+from dynemb.checkpoint.tables import entries
+from dynemb.distributed.engine import Route
 
 PREFIX = "dynemb_tables."
 _COUNTERS = ("step", "optimizer_step", "last_timestamp", "erased", "nonfinite_grads")
@@ -39,30 +40,11 @@ def is_sharded_model(module: torch.nn.Module) -> bool:
     return bool(es) and _comm_of(es) is not None
 
 
-def _table_prefixes(module: torch.nn.Module) -> tuple[str, ...]:
-    from dynemb.checkpoint.dcp import _table_prefixes as prefixes
-
-    return prefixes(module)
-
-
 def _sharded(local: torch.Tensor, offset: int, total: int) -> ShardedTensor:
     """Rows [n, *] of this rank at ``offset`` in a global [total, *] row-sharded tensor."""
     rank = dist.get_rank()
     meta = ShardMetadata(shard_offsets=[offset] + [0] * (local.dim() - 1), shard_sizes=list(local.shape), placement=f"rank:{rank}/{local.device}")
     return init_from_local_shards([Shard(local, meta)], [total, *local.shape[1:]])
-
-
-def _local_rows(e: Entry) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This rank's keys [K_r], whole rows [K_r, D+S] and scores [K_r] of one table."""
-    engine = e.engine
-    chunks = list(e.export(1 << 20))
-    if not chunks:
-        empty = torch.empty(0, dtype=torch.int64)
-        return empty, torch.empty(0, engine.width, dtype=engine.store.dtype), empty
-    keys = torch.cat([c[0] for c in chunks])
-    rows = torch.cat([c[1] for c in chunks])
-    scores = torch.cat([c[2] for c in chunks])
-    return keys.cpu(), engine.store.gather(rows).cpu(), scores.cpu()
 
 
 def state_dict(module: torch.nn.Module, saved: dict) -> dict:
@@ -86,7 +68,7 @@ def state_dict(module: torch.nn.Module, saved: dict) -> dict:
                 state[f"{name}scores"] = _sharded(torch.empty(hi - lo, dtype=torch.int64), lo, n)
                 state[f"{name}counters"] = torch.zeros(len(_COUNTERS), dtype=torch.int64)
                 continue
-            keys, values, scores = _local_rows(e)
+            keys, values, scores = _current_rows(e)
             counts = comm.all_gather_object((keys.numel(), [e.counters()[c] for c in _COUNTERS]))
             offset, total = sum(c for c, _ in counts[:r]), sum(c for c, _ in counts)
             state[f"{name}keys"] = _sharded(keys, offset, total)
@@ -124,27 +106,13 @@ def load_state_dict(module: torch.nn.Module, state: dict, *, strict: bool = True
             continue
         keys, values, scores = (_local(state[f"{name}{t}"]) for t in ("keys", "values", "scores"))
         # Each row to its key's owner.
-        by_owner = torch.sort(owner_of(keys, comm.world_size), stable=True)
-        send = torch.bincount(by_owner.values, minlength=comm.world_size).tolist()
-        recv = comm.counts(send)
-        order = by_owner.indices
-        keys = comm.exchange(keys.index_select(0, order), send, recv)
-        values = comm.exchange(values.reshape(-1, e.engine.width).index_select(0, order), send, recv)
-        scores = comm.exchange(scores.index_select(0, order), send, recv)
+        route = Route(comm, keys)
+        keys, values, scores = (route.out(t) for t in (keys, values.reshape(-1, e.engine.width), scores))
         counters = dict(zip(_COUNTERS, state[f"{name}counters"].tolist()))
         counters["index"] = [keys.numel(), 0, 0, 0]
         data[e.name] = {"keys": keys, "values": values, "scores": scores, "entry": {"counters": counters}}
     with _locked(es):
-        groups: dict[int, list[Entry]] = {}
-        for e in es:
-            groups.setdefault(id(e.engine), []).append(e)
-        plans = []
-        for members in groups.values():
-            if not any(e.name in data for e in members):
-                continue
-            parts = [(e.location[1], data[e.name], e) for e in members if e.name in data]
-            fresh, _ = _build_engine(members[0], parts, on_overflow="raise", use_layout=False)
-            plans.append((members, fresh, parts))
+        plans, _ = _plan_engines(es, data, on_overflow="raise", use_layout=False)
         with torch.no_grad():
             for k, v in dense.items():
                 if k in mine:

@@ -102,11 +102,14 @@ class Writer:
 
     def __init__(self, path: str | os.PathLike, overwrite: bool = False, *, tmp: Path | None = None):
         self.path = Path(path)
+        self.overwrite = overwrite
+        # fsyncs of the files written so far, running behind the writes.
+        self._flushing: list[concurrent.futures.Future] = []
+        # (manifest entry, future of its hex digest): hashing runs behind the writes.
+        self._hashing: list[tuple[dict, concurrent.futures.Future]] = []
         if tmp is not None:
             # A sharded save's other ranks write their files into the directory rank 0 made.
-            self.tmp, self.overwrite = Path(tmp), overwrite
-            self._flushing: list[concurrent.futures.Future] = []
-            self._hashing: list[tuple[dict, concurrent.futures.Future]] = []
+            self.tmp = Path(tmp)
             return
         if self.path.name.startswith("."):
             raise ValueError(f"path={str(path)!r}: a checkpoint's name must not start with '.' (those are temporary or replaced saves)")
@@ -115,11 +118,6 @@ class Writer:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = self.path.parent / f".{self.path.name}.tmp-{new_id()[:12]}"
         self.tmp.mkdir()
-        self.overwrite = overwrite
-        # fsyncs of the files written so far, running behind the writes.
-        self._flushing: list[concurrent.futures.Future] = []
-        # (manifest entry, future of its hex digest): hashing runs behind the writes.
-        self._hashing: list[tuple[dict, concurrent.futures.Future]] = []
 
     def write_tensors(self, relative: str, tensors: dict[str, torch.Tensor], role: str, rows: int | None = None) -> dict:
         """Write one safetensors file; returns its manifest entry (path, role, rows, bytes, sha256).

@@ -25,7 +25,7 @@ from dynemb.table.index import unique_pairs
 from dynemb.types import NonFiniteGrads
 
 
-class _Route:
+class Route:
     """Where one call's keys went: the caller's permutation by owner and the split sizes."""
 
     def __init__(self, comm: Comm, keys: torch.Tensor):
@@ -82,7 +82,7 @@ class _Sharded:
     def _resolve(self, keys, segs, *, train, now, counts, insertable, scores, evicted_contents, init_rows):
         if insertable is not None:
             raise NotImplementedError("admission on a sharded table: the admission counters would be per rank (shard() refuses it)")
-        route = _Route(self.comm, keys)
+        route = Route(self.comm, keys)
         rkeys = route.out(keys)
         rsegs = None if segs is None else route.out(segs)
         uk, us, inv = self._dedup(rkeys, rsegs)
@@ -107,7 +107,7 @@ class _Sharded:
         return r, placeholder, found, inserted, failed
 
     def _find(self, keys, segs):
-        route = _Route(self.comm, keys)
+        route = Route(self.comm, keys)
         rkeys = route.out(keys)
         rsegs = None if segs is None else route.out(segs)
         uk, us, inv = self._dedup(rkeys, rsegs)
@@ -123,7 +123,7 @@ class _Sharded:
         if keep.numel() != keys.numel():
             keys, grads = keys.index_select(0, keep), grads.index_select(0, keep)
             segs = None if segs is None else segs.index_select(0, keep)
-        route = _Route(self.comm, keys)
+        route = Route(self.comm, keys)
         rkeys = route.out(keys)
         rsegs = None if segs is None else route.out(segs)
         rgrads = route.out(grads)

@@ -307,7 +307,17 @@ def _spec_params(sharder, module, env: ShardingEnv, device) -> dict[str, Any]:
     return {**(sharder.fused_params or {}), _SPEC: _Spec(module, env.world_size, device)}
 
 
-class DynamicEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+class _RowWiseOnDynemb:
+    """What both sharders offer TorchRec's planner: row-wise only, on the custom kernel."""
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        return [_ROW_WISE]
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        return [_KERNEL]
+
+
+class DynamicEmbeddingBagCollectionSharder(_RowWiseOnDynemb, EmbeddingBagCollectionSharder):
     """Shards :class:`dynemb.torchrec.EmbeddingBagCollection` (exactly that type) row-wise on dynemb kernels."""
 
     def shard(
@@ -341,12 +351,6 @@ class DynamicEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     def reshard(self, *args, **kwargs):
         raise NotImplementedError("resharding dynemb tables is not supported")
 
-    def sharding_types(self, compute_device_type: str) -> list[str]:
-        return [_ROW_WISE]
-
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
-        return [_KERNEL]
-
     @property
     def module_type(self) -> type[EmbeddingBagCollection]:
         return EmbeddingBagCollection
@@ -356,7 +360,7 @@ class DynamicEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         return ShardedDynamicEmbeddingBagCollection
 
 
-class DynamicEmbeddingCollectionSharder(EmbeddingCollectionSharder):
+class DynamicEmbeddingCollectionSharder(_RowWiseOnDynemb, EmbeddingCollectionSharder):
     """Shards :class:`dynemb.torchrec.EmbeddingCollection` (exactly that type) row-wise on dynemb kernels."""
 
     def shard(
@@ -385,12 +389,6 @@ class DynamicEmbeddingCollectionSharder(EmbeddingCollectionSharder):
     def shardable_parameters(self, module: EmbeddingCollection) -> dict[str, torch.Tensor]:
         """Table name -> its meta dummy weight [num_embeddings, D] (for plan shapes only)."""
         return {c.name: module.embeddings[c.name].weight for c in module.embedding_configs()}
-
-    def sharding_types(self, compute_device_type: str) -> list[str]:
-        return [_ROW_WISE]
-
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
-        return [_KERNEL]
 
     @property
     def module_type(self) -> type[EmbeddingCollection]:
