@@ -100,11 +100,22 @@ def _child() -> None:
         getattr(importlib.import_module(module), function)(worker)
     except BaseException:
         worker.record(event="error", error=traceback.format_exc())
-        raise
+        traceback.print_exc()
+        _leave(1)
     worker.record(event="returned")
     if options["final_barrier"]:
         # A rank that leaves while a peer still reads from it would fail that peer.
         worker.store_barrier("end", options["init_timeout_s"])
+    _leave(0)
+
+
+def _leave(code: int) -> None:
+    """Exit with ``code`` now. Interpreter teardown with a live gloo group can abort the process
+    ("terminate called without an active exception", exit -6) when a peer still holds a
+    connection; the exit code must say how the rank's function ended, not how torch tore down."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # -- the parent side -----------------------------------------------------------------------------
