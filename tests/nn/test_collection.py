@@ -7,6 +7,7 @@ import torch
 
 import dynemb
 from dynemb import TableConfig
+from dynemb.nn import units
 from dynemb.table.index import unique_pairs
 from dynemb.table.segmented import SegmentedKeyIndex
 
@@ -97,11 +98,25 @@ def assert_same_tables(col, singles):
         assert col.stats()[name]["size"] == table.stats()["size"]
 
 
+@pytest.fixture(params=["units", "by_group"])
+def pooling_path(request, monkeypatch):
+    """Run a bag test through both ways of pooling: the whole concat at once in units
+    (dynemb.nn.units) and group by group (what narrow units or mixed dtypes get)."""
+    if request.param == "by_group":
+        monkeypatch.setattr(units.UnitLayout, "of", staticmethod(lambda *args: None))
+    return request.param
+
+
+def check_path(col, path: str) -> None:
+    assert (col._units is not None) == (path == "units")
+
+
 @pytest.mark.parametrize("update", ["fused", "deferred"])
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
-def test_bag_collection_equals_single_tables(opt, update):
+def test_bag_collection_equals_single_tables(opt, update, pooling_path):
     gen = torch.Generator().manual_seed(1)
     col = dynemb.DynamicEmbeddingBagCollection(TABLES, OPTIMIZERS[opt](), update=update)
+    check_path(col, pooling_path)
     singles = singles_for(TABLES, opt, bags=True, update=update)
     for _ in range(5):
         feats = batch(gen)
@@ -232,16 +247,70 @@ def test_segmented_index_matches_dict_model():
     assert stats[0]["evictions"] > 0 and stats[2]["evictions"] == 0
 
 
-def test_weighted_bags_equal_per_sample_weights():
-    tables = [TableConfig(name="t", feature_names=["f", "g"], embedding_dim=4, capacity=128)]
+@pytest.mark.parametrize("shared_keys", [False, True])
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_one_id_per_bag_equals_single_tables(opt, shared_keys, pooling_path):
+    """Criteo-like input: every bag holds one id (the units path gathers instead of pooling),
+    dims 16 / 32 / 64 in three groups, sum and mean tables; with shared_keys the tables of a
+    group see the same raw ids (so the dedup gives no grouping)."""
+    dims = {"p": 16, "q": 32, "r": 64, "s": 16}
+    tables = [
+        TableConfig(name=n, feature_names=[f"f{n}"], embedding_dim=d, capacity=512, pooling="mean" if n == "s" else "sum", score_strategy="step")
+        for n, d in dims.items()
+    ]
+    col = dynemb.DynamicEmbeddingBagCollection(tables, OPTIMIZERS[opt]())
+    check_path(col, pooling_path)
+    singles = singles_for(tables, opt, bags=True)
+    gen = torch.Generator().manual_seed(11)
+    n = 16
+    for _ in range(3):
+        ids = {t.name: torch.randint(0, 40, (n,), generator=gen) + (0 if shared_keys else 1000 * i) for i, t in enumerate(tables)}
+        out = col({f"f{name}": (v, torch.ones(n, dtype=torch.int64)) for name, v in ids.items()})
+        w = weights_of(out.concat.shape[1])
+        (out.concat * w).sum().backward()
+        want = torch.cat([singles[name](v, torch.arange(n)) for name, v in ids.items()], 1)
+        torch.testing.assert_close(out.concat.detach(), want.detach())
+        (want * w).sum().backward()
+    for name, table in singles.items():
+        keys = torch.arange(0, 4000)
+        torch.testing.assert_close(col.find(name, keys)[0], table.find(keys)[0])
+        assert col.stats()[name]["size"] == table.stats()["size"]
+
+
+def test_bag_gradient_through_one_feature_view(pooling_path):
+    """A loss on one feature's view (an expanded, non-contiguous concat gradient elsewhere)."""
+    col = dynemb.DynamicEmbeddingBagCollection(TABLES, OPTIMIZERS["sgd"]())
+    check_path(col, pooling_path)
+    singles = singles_for(TABLES, "sgd", bags=True)
+    feats = batch(torch.Generator().manual_seed(12))
+    col(feats)["fc"].sum().backward()
+    loss = 0
+    for name, fs in TABLE_FEATURES:
+        values = torch.cat([feats[f][0] for f in fs])
+        lengths = torch.cat([feats[f][1] for f in fs])
+        pooled = singles[name](values, torch.cumsum(lengths, 0) - lengths)
+        # Tables a and b take a zero gradient, as in the collection.
+        loss = loss + pooled.sum() * (name == "c")
+    loss.backward()
+    assert_same_tables(col, singles)
+
+
+@pytest.mark.parametrize("dim", [4, 8])
+def test_weighted_bags_equal_per_sample_weights(dim, pooling_path):
+    tables = [TableConfig(name="t", feature_names=["f", "g"], embedding_dim=dim, capacity=128), TableConfig(name="o", embedding_dim=4, capacity=16)]
     col = dynemb.DynamicEmbeddingBagCollection(tables, dynemb.optim.SGD(lr=0.5), is_weighted=True)
-    single = dynemb.DynamicEmbeddingBag(4, 128, mode="sum", optimizer=dynemb.optim.SGD(lr=0.5))
-    feats = {"f": (torch.tensor([1, 2, 3]), torch.tensor([2, 1])), "g": (torch.tensor([3, 9]), torch.tensor([0, 2]))}
-    weights = {"f": torch.tensor([0.5, 2.0, -1.0]), "g": torch.tensor([3.0, 0.25])}
+    check_path(col, pooling_path)
+    single = dynemb.DynamicEmbeddingBag(dim, 128, mode="sum", optimizer=dynemb.optim.SGD(lr=0.5))
+    feats = {
+        "f": (torch.tensor([1, 2, 3]), torch.tensor([2, 1])),
+        "g": (torch.tensor([3, 9]), torch.tensor([0, 2])),
+        "o": (torch.tensor([4]), torch.tensor([0, 1])),
+    }
+    weights = {"f": torch.tensor([0.5, 2.0, -1.0]), "g": torch.tensor([3.0, 0.25]), "o": torch.tensor([1.0])}
     out = col(FakeKJT(feats, weights))
-    out.concat.sum().backward()
+    out.concat[:, : 2 * dim].sum().backward()
     ref = single(torch.tensor([1, 2, 3, 3, 9]), torch.tensor([0, 2, 3, 3]), per_sample_weights=torch.cat([weights["f"], weights["g"]]))
-    torch.testing.assert_close(out.concat.detach(), torch.cat([ref[:2], ref[2:]], 1).detach())
+    torch.testing.assert_close(out.concat[:, : 2 * dim].detach(), torch.cat([ref[:2], ref[2:]], 1).detach())
     ref.sum().backward()
     keys = torch.tensor([1, 2, 3, 9])
     torch.testing.assert_close(col.find("t", keys)[0], single.find(keys)[0])
@@ -330,7 +399,9 @@ def test_state_dict_into_other_capacity_reinserts_or_refuses():
     keys = torch.arange(-20, 20)
     for name in ("a", "b", "c"):
         torch.testing.assert_close(bigger.find(name, keys)[0], col.find(name, keys)[0])
-    tiny = dynemb.DynamicEmbeddingBagCollection([TableConfig(**{**t.__dict__, "capacity": 2, "bucket_capacity": 1}) for t in TABLES], dynemb.optim.Adagrad(lr=0.1))
+    tiny = dynemb.DynamicEmbeddingBagCollection(
+        [TableConfig(**{**t.__dict__, "capacity": 2, "bucket_capacity": 1}) for t in TABLES], dynemb.optim.Adagrad(lr=0.1)
+    )
     with pytest.raises(RuntimeError, match="do not fit"):
         tiny.load_state_dict(state)
     assert all(s["size"] == 0 for s in tiny.stats().values())

@@ -31,6 +31,7 @@ from dynemb.nn.admission import FrequencyAdmission
 from dynemb.nn.autograd import FusedEmbeddings, Lookup
 from dynemb.nn.deferred import GradAccumulator
 from dynemb.nn.group import GroupEngine, GroupResolved, group_key
+from dynemb.nn.units import UnitLayout, group_gradient, pool
 from dynemb.optim.base import RowOptimizer
 from dynemb.table.index import unique_pairs
 from dynemb.types import CheckMode, PoolingMode, ScoreStrategy
@@ -82,6 +83,37 @@ class _PooledBags(torch.autograd.Function):
             per_id = per_id * ctx.weights[:, None]
         ctx.lookup.apply(inverse=ctx.inverse, grad=per_id)
         return (None,) * 8
+
+
+class _PooledUnits(torch.autograd.Function):
+    """Every group's pooled bags at once, written into the concat [B, sum D_f] (dynemb.nn.units);
+    backward sums each group's gradient per unique row from the concat's and applies it.
+
+    Args of forward: trigger, the collection, the batch, its groups' (lookup, inverse, totals).
+    """
+
+    @staticmethod
+    def forward(ctx, trigger, owner, batch, looked):
+        out, grads = owner._pool_units(batch, looked)
+        ctx.layout, ctx.looked, ctx.grads = owner._units, looked, grads
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        layout = ctx.layout
+        grad_rows = grad.contiguous().view(-1, layout.unit)  # [B * K, u]
+        arange = layout.on(grad.device)["arange"]
+        for (lookup, inverse, _totals), info, k in zip(ctx.looked, ctx.grads, layout.group_k):
+            num_unique = lookup.keys.numel()
+            if lookup.grouping is not None:
+                order, starts = lookup.grouping
+            else:
+                # Keys read through two tables: the dedup gave no grouping; group the ids here.
+                order = torch.argsort(inverse, stable=True)
+                counts = torch.bincount(inverse, minlength=num_unique)
+                starts = torch.cumsum(counts, 0).sub_(counts)
+            lookup.apply(grad_u=group_gradient(grad_rows, info, order, starts, num_unique, k, arange))
+        return None, None, None, None
 
 
 class PooledEmbeddings(dict):
@@ -142,8 +174,9 @@ class _Group:
 class _Batch:
     """Validated input: per feature (collection order) its values [N_f], lengths [B] and weights."""
 
-    def __init__(self, values: list[torch.Tensor], lengths: list[torch.Tensor], weights: list[torch.Tensor | None], batch: int):
+    def __init__(self, values: list[torch.Tensor], lengths: list[torch.Tensor], weights: list[torch.Tensor | None], batch: int, stacked=None):
         self.values, self.lengths, self.weights, self.batch = values, lengths, weights, batch
+        self.stacked = stacked  # lengths [F, B]
 
 
 class _DynamicCollection(torch.nn.Module):
@@ -326,10 +359,11 @@ class _DynamicCollection(torch.nn.Module):
                 if total != v.numel():
                     raise ValueError(f"feature {f!r}: lengths sum to {total} but values has {v.numel()} entries")
         else:
+            stacked = torch.zeros(len(self.feature_names), 0, dtype=torch.int64, device=device)
             for f, v in zip(self.feature_names, out_v):
                 if v.numel():
                     raise ValueError(f"feature {f!r}: lengths sum to 0 but values has {v.numel()} entries")
-        return _Batch(out_v, out_l, out_w, batch or 0)
+        return _Batch(out_v, out_l, out_w, batch or 0, stacked)
 
     # -- lookups -----------------------------------------------------------------------------
 
@@ -644,9 +678,48 @@ class DynamicEmbeddingBagCollection(_DynamicCollection):
             mean = [n for n, t in zip(self.table_names, tables) if t.pooling is PoolingMode.MEAN]
             if mean:
                 raise ValueError(f"is_weighted=True: tables {mean} pool by 'mean'; weights need pooling='sum'")
+        self._units = UnitLayout.of(
+            self.feature_dims,
+            [g.features for g in self._groups],
+            [e.embedding_dim for e in self.engines],
+            [self.table_configs[t].pooling is PoolingMode.MEAN for t in self._feature_table],
+            {e.dtype for e in self.engines},
+            {str(e.device) for e in self.engines},
+        )
 
     def forward(self, features) -> PooledEmbeddings:
         batch, looked = self._lookup(features, pooled=True)
+        # Every rank of a sharded collection takes the same path (its backward's collectives
+        # follow it), so an empty batch goes through the units path too.
+        if self._units is not None:
+            if isinstance(looked[0][0], GroupLookup):
+                trigger = torch.empty(0, device=self.engines[0].device, requires_grad=True)
+                concat = _PooledUnits.apply(trigger, self, batch, looked)
+            else:
+                concat, _ = self._pool_units(batch, looked)
+            return PooledEmbeddings(concat, self.feature_names, self.feature_dims)
+        return self._pool_by_group(batch, looked)
+
+    def _pool_units(self, batch: _Batch, looked: list):
+        """The concat [B, sum D_f] through :func:`dynemb.nn.units.pool`, and each group's
+        backward info."""
+        layout = self._units
+        rows, inverses, weights = [], [], None
+        for group, (emb, inverse, _totals) in zip(self._groups, looked):
+            D = self.engines[group.index].embedding_dim
+            rows.append(emb.data[:, :D] if isinstance(emb, GroupLookup) else emb)
+            inverses.append(inverse)
+        if self.is_weighted:
+            weights = [torch.cat([batch.weights[j] for j in g.features]) if len(g.features) > 1 else batch.weights[g.features[0]] for g in self._groups]
+        units = sum(r.shape[0] * k for r, k in zip(rows, layout.group_k))
+        with self._lock, writable():
+            # The unit table is scratch kept between calls (under the lock: one user at a time).
+            table = self._workspace.get("units", units, (layout.unit,), self.engines[0].dtype)
+            return pool(layout, batch.stacked, rows, inverses, weights, table)
+
+    def _pool_by_group(self, batch: _Batch, looked: list) -> PooledEmbeddings:
+        """Pool each group into [F_g * B, D] and concatenate (tables of several dtypes or
+        devices, or narrow units)."""
         B = batch.batch
         pooled_of: list[torch.Tensor | None] = [None] * len(self.feature_names)
         for group, (emb, inverse, _totals) in zip(self._groups, looked):

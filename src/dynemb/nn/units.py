@@ -1,0 +1,199 @@
+"""A bag collection's pooled output written straight into its concatenation.
+
+B samples, F features, U_g unique (table, key) pairs of group g, N_g its ids, D_f feature f's
+dim, u the unit width (the gcd of the dims), k_f = D_f / u, K = sum_f k_f units per sample.
+
+The concat [B, sum D_f] is read as K unit rows per sample, [B * K, u]: row ``b * K + c_f + t``
+is sub-unit t of sample b's feature f (c_f the exclusive cumsum of k). Every group's unique rows
+[U_g, D_g] are copied into one unit table [sum_g U_g k_g, u] (row ``base_g + i * k_g + t`` is
+sub-unit t of unique row i), and one call builds the whole concat: an ``index_select`` when
+every bag holds one id and nothing is weighted, else one ``embedding_bag`` whose bags are the
+(sample, feature, sub-unit) triples. No per-group output, no ``cat``.
+
+Backward, per group: the concat gradient [B * K, u] is already in unit rows, so one
+``embedding_bag`` over it, ids taken in unique-key order (the dedup's grouping) sub-unit by
+sub-unit, sums each unique row's gradient [k_g * U_g, u] -> [U_g, D_g] with no per-id copy.
+
+Used when every group shares one dtype and device and the unit is not too narrow
+(:meth:`UnitLayout.of`); otherwise the collection pools group by group. See
+docs/design/0017-pooled-units.md.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+# Narrowest unit (elements) used, and most units per feature on average: narrower units make
+# the index arrays longer than the per-group path's copies are expensive.
+MIN_UNIT = 4
+MAX_UNITS_PER_FEATURE = 4
+
+
+class UnitLayout:
+    """The static unit geometry of a bag collection (features in collection order)."""
+
+    def __init__(self, feature_dims: list[int], group_features: list[list[int]], group_dims: list[int], feature_mean: list[bool]):
+        self.unit = u = math.gcd(*feature_dims)
+        self.k = [d // u for d in feature_dims]
+        self.cols = [sum(self.k[:j]) for j in range(len(self.k))]
+        self.K = sum(self.k)
+        self.group_features = group_features
+        self.group_k = [d // u for d in group_dims]
+        self.feature_mean = feature_mean
+        self._on: dict[torch.device, dict] = {}
+
+    @staticmethod
+    def of(feature_dims: list[int], group_features: list[list[int]], group_dims: list[int], feature_mean: list[bool], dtypes: set, devices: set):
+        """The layout, or None where pooling group by group is the better (or only) way."""
+        if len(dtypes) != 1 or len(devices) != 1 or not feature_dims:
+            return None
+        layout = UnitLayout(feature_dims, group_features, group_dims, feature_mean)
+        if layout.unit < MIN_UNIT and len(set(feature_dims)) > 1:
+            return None
+        if layout.K > MAX_UNITS_PER_FEATURE * len(feature_dims):
+            return None
+        return layout
+
+    def on(self, device: torch.device) -> dict:
+        """Small index tensors of the layout on ``device`` (made once per device)."""
+        consts = self._on.get(device)
+        if consts is None:
+
+            def t(values, dtype=torch.int64):
+                return torch.tensor(values, dtype=dtype, device=device)
+
+            consts = self._on[device] = {
+                "k": t(self.k),
+                "group_cols": [t([self.cols[j] for j in fs]) for fs in self.group_features],
+                "group_feats": [t(fs) for fs in self.group_features],
+                "group_mean": [t([self.feature_mean[j] for j in fs], torch.bool) for fs in self.group_features],
+                "mean_cols": t([m for m, k in zip(self.feature_mean, self.k) for _ in range(k)], torch.bool),
+                "arange": torch.arange(max(self.group_k), device=device),
+            }
+        return consts
+
+
+class _GroupGrad:
+    """What a group's backward needs: each id's first unit row in the concat [N_g] and its
+    gradient scale [N_g] (weight / mean divisor) or None."""
+
+    __slots__ = ("first_row", "scale")
+
+    def __init__(self, first_row: torch.Tensor, scale: torch.Tensor | None):
+        self.first_row, self.scale = first_row, scale
+
+
+def pool(
+    layout: UnitLayout,
+    stacked: torch.Tensor,
+    rows: list[torch.Tensor],
+    inverses: list[torch.Tensor],
+    weights: list[torch.Tensor | None] | None,
+    table: torch.Tensor,
+) -> tuple[torch.Tensor, list[_GroupGrad]]:
+    """The concat [B, K * u] of every feature's pooled bags, and each group's backward info.
+
+    Args:
+        stacked: lengths [F, B] (int64), features in collection order.
+        rows: per group, its unique rows' embeddings [U_g, D_g].
+        inverses: per group, the unique row of each id [N_g] (its features' ids concatenated in
+            collection order).
+        weights: per group, per-id weights [N_g], or None (unweighted collection).
+        table: scratch [sum_g U_g k_g, u] for the unit table.
+    """
+    F_all, B = stacked.shape
+    K, u = layout.K, layout.unit
+    device = stacked.device
+    consts = layout.on(device)
+    base = 0
+    bases = []
+    for r, k in zip(rows, layout.group_k):
+        n = r.shape[0] * k
+        if n:
+            table[base : base + n].view(r.shape).copy_(r)
+        bases.append(base)
+        base += n
+    n_ids = sum(inv.numel() for inv in inverses)
+    single = weights is None and n_ids == F_all * B and bool((stacked == 1).all())
+    sample_rows = torch.arange(B, device=device).mul_(K)  # [B] unit row of each sample's first unit
+    grads: list[_GroupGrad] = []
+    if single:
+        idx = torch.empty(B * K, dtype=torch.int64, device=device)
+        for g, (inv, k) in enumerate(zip(inverses, layout.group_k)):
+            first_row = (consts["group_cols"][g][:, None] + sample_rows[None, :]).reshape(-1)  # [F_g * B] = [N_g]
+            src = inv * k + bases[g]
+            if k == 1:
+                idx.index_copy_(0, first_row, src)
+            else:
+                ar = consts["arange"][:k]
+                idx.index_copy_(0, (first_row[:, None] + ar).reshape(-1), (src[:, None] + ar).reshape(-1))
+            grads.append(_GroupGrad(first_row, None))
+        out = table.index_select(0, idx)  # [B * K, u]
+        return out.view(B, K * u), grads
+    unit_len = stacked.t().repeat_interleave(consts["k"], dim=1).reshape(-1)  # [B * K]
+    unit_off = torch.cumsum(unit_len, 0).sub_(unit_len)
+    total = sum(inv.numel() * k for inv, k in zip(inverses, layout.group_k))
+    idx = torch.empty(total, dtype=torch.int64, device=device)
+    psw = torch.empty(total, dtype=table.dtype, device=device) if weights is not None else None
+    any_mean = any(layout.feature_mean)
+    for g, (inv, k) in enumerate(zip(inverses, layout.group_k)):
+        n = inv.numel()
+        fg = len(layout.group_features[g])
+        lengths = stacked.index_select(0, consts["group_feats"][g]).reshape(-1)  # [F_g * B], bag of (feature, sample)
+        bag_rows = (consts["group_cols"][g][:, None] + sample_rows[None, :]).reshape(-1)  # [F_g * B]
+        bag_of_id = torch.repeat_interleave(torch.arange(fg * B, device=device), lengths, output_size=n)
+        bag_start = torch.cumsum(lengths, 0).sub_(lengths)
+        rank = torch.arange(n, device=device).sub_(bag_start.index_select(0, bag_of_id))  # position in its bag
+        first_row = bag_rows.index_select(0, bag_of_id)
+        id_len = lengths.index_select(0, bag_of_id)
+        first = unit_off.index_select(0, first_row).add_(rank)  # where (id, t = 0) goes
+        src = inv * k + bases[g]
+        w = weights[g].to(table.dtype) if weights is not None else None
+        if k == 1:
+            idx.index_copy_(0, first, src)
+            if psw is not None:
+                psw.index_copy_(0, first, w)
+        else:
+            # Sub-unit t of a bag follows sub-unit t - 1, each as long as the bag.
+            ar = consts["arange"][:k]
+            dest = (first[:, None] + ar * id_len[:, None]).reshape(-1)
+            idx.index_copy_(0, dest, (src[:, None] + ar).reshape(-1))
+            if psw is not None:
+                psw.index_copy_(0, dest, w[:, None].expand(-1, k).reshape(-1))
+        scale = w
+        if any_mean:
+            is_mean = consts["group_mean"][g].repeat_interleave(B).index_select(0, bag_of_id)
+            if bool(is_mean.any()):
+                inv_len = torch.where(is_mean, id_len, 1).to(table.dtype).reciprocal_()
+                scale = inv_len if scale is None else scale * inv_len
+        grads.append(_GroupGrad(first_row, scale))
+    out = F.embedding_bag(idx, table, unit_off, mode="sum", per_sample_weights=psw)  # [B * K, u]
+    if any_mean:
+        divisor = torch.where(consts["mean_cols"][None, :], unit_len.view(B, K).clamp(min=1), 1).to(out.dtype)
+        out.div_(divisor.reshape(-1, 1))
+    return out.view(B, K * u), grads
+
+
+def group_gradient(
+    grad_rows: torch.Tensor, info: _GroupGrad, order: torch.Tensor, starts: torch.Tensor, num_unique: int, k: int, arange: torch.Tensor
+) -> torch.Tensor:
+    """Gradient [U_g, D_g] of a group's unique rows from the concat gradient in unit rows
+    [B * K, u]; ``order`` [N_g] lists the ids by unique row, ``starts`` [U_g] where each row's
+    ids begin."""
+    n, u = order.numel(), grad_rows.shape[1]
+    if n == 0:
+        return grad_rows.new_zeros(num_unique, k * u)
+    src = info.first_row.index_select(0, order)
+    scale = info.scale.index_select(0, order) if info.scale is not None else None
+    if k == 1:
+        return F.embedding_bag(src, grad_rows, starts, mode="sum", per_sample_weights=scale)
+    ar = arange[:k]
+    # Sub-unit-major: bag (t, i) sums the rows of unique row i's ids shifted by t.
+    idx = (src[None, :] + ar[:, None]).reshape(-1)
+    offsets = (ar[:, None] * n + starts[None, :]).reshape(-1)
+    psw = scale.repeat(k) if scale is not None else None
+    summed = F.embedding_bag(idx, grad_rows, offsets, mode="sum", per_sample_weights=psw)  # [k * U_g, u]
+    return summed.view(k, num_unique, u).transpose(0, 1).reshape(num_unique, k * u)
