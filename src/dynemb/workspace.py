@@ -85,6 +85,45 @@ class Workspace:
         self._buffers.clear()
 
 
+# Number of references to a tensor's storage (tensors, views, storage objects); private to
+# torch, so recycling is off where this torch lacks it.
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+class Recycler:
+    """Output tensors handed to callers, whose memory is reused once nobody holds them.
+
+    ``get`` returns a fresh tensor (not a view) on a block kept here. At the next ``get`` the
+    block is reused only if no tensor, view, autograd node or numpy array still references it,
+    that is when the only owners of its storage are this recycler's own handle and the
+    temporary storage object of the check; otherwise a new block is made. On CPU this spares a
+    large output the page faults of fresh memory each step. CUDA's caching allocator already
+    reuses memory, so there ``get`` allocates plainly.
+
+    Not thread-safe: its owner serialises calls (a collection, under its lock).
+    """
+
+    def __init__(self):
+        self._blocks: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if device.type != "cpu" or _storage_use_count is None:
+            return torch.empty(shape, dtype=dtype, device=device)
+        n = 1
+        for s in shape:
+            n *= s
+        block = self._blocks.get(name)
+        # Owners of an unshared block's storage: ``block`` and the storage object made here.
+        if block is None or block.dtype != dtype or block.numel() < n or _storage_use_count(block.untyped_storage()._cdata) != 2:
+            with torch.inference_mode(False):
+                block = self._blocks[name] = torch.empty(n, dtype=dtype, device=device)
+        poison_(block[:n])
+        return torch.empty(0, dtype=dtype, device=device).set_(block.untyped_storage(), 0, shape)
+
+    def clear(self) -> None:
+        self._blocks.clear()
+
+
 class writable:
     """Context for code that writes tensors a table keeps: turns inference mode off (and grad
     mode off with it) when the caller is under ``torch.inference_mode()``, so kept tensors never

@@ -35,7 +35,7 @@ from dynemb.nn.units import UnitLayout, group_gradient, pool
 from dynemb.optim.base import RowOptimizer
 from dynemb.table.index import unique_pairs
 from dynemb.types import CheckMode, PoolingMode, ScoreStrategy
-from dynemb.workspace import Workspace, writable
+from dynemb.workspace import Recycler, Workspace, writable
 
 _UPDATES = ("fused", "deferred")
 
@@ -158,7 +158,7 @@ class _Group:
         starts = new.nonzero().squeeze(1)
         keys = sorted_values.index_select(0, starts)
         counts = torch.diff(starts, append=starts.new_tensor([n]))
-        inverse = torch.empty_like(order).index_copy_(0, order, new.cumsum(0).sub_(1))
+        inverse = torch.empty_like(order).scatter_(0, order, new.cumsum(0).sub_(1))
         if len(self.tables) == 1:
             return torch.zeros_like(keys), keys, inverse, counts, (order, starts)
         seg_of_value = torch.repeat_interleave(
@@ -237,6 +237,7 @@ class _DynamicCollection(torch.nn.Module):
         self._last_timestamp = 0
         self._lock = threading.RLock()
         self._workspace = Workspace(tables[0].device)
+        self._recycler = Recycler()
         self._evict_hooks: collections.OrderedDict[int, Callable] = collections.OrderedDict()
         device = tables[0].device
         self.last_failed_keys = {n: torch.empty(0, dtype=torch.int64, device=device) for n in self.table_names}
@@ -580,7 +581,7 @@ class _DynamicCollection(torch.nn.Module):
         unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
         if unique.numel() != n:
             raise ValueError(f"keys has {n - unique.numel()} duplicate(s): insert assigns one value per key")
-        order = torch.empty_like(inverse).index_copy_(0, inverse, torch.arange(n, device=engine.device))
+        order = torch.empty_like(inverse).scatter_(0, inverse, torch.arange(n, device=engine.device))
         given = None if scores is None else as_ids(scores, "scores", engine.device).reshape(-1).index_select(0, order)
         values = values.detach().to(device=engine.device, dtype=engine.dtype).index_select(0, order)
         with self._lock, writable():
@@ -608,6 +609,7 @@ class _DynamicCollection(torch.nn.Module):
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_lock"] = None
+        state["_recycler"] = Recycler()  # a copy never shares output memory with the original
         return state
 
     def __setstate__(self, state):
@@ -715,7 +717,7 @@ class DynamicEmbeddingBagCollection(_DynamicCollection):
         with self._lock, writable():
             # The unit table is scratch kept between calls (under the lock: one user at a time).
             table = self._workspace.get("units", units, (layout.unit,), self.engines[0].dtype)
-            return pool(layout, batch.stacked, rows, inverses, weights, table)
+            return pool(layout, batch.stacked, rows, inverses, weights, table, self._recycler)
 
     def _pool_by_group(self, batch: _Batch, looked: list) -> PooledEmbeddings:
         """Pool each group into [F_g * B, D] and concatenate (tables of several dtypes or

@@ -26,6 +26,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from dynemb.workspace import Recycler
+
 # Narrowest unit (elements) used, and most units per feature on average: narrower units make
 # the index arrays longer than the per-group path's copies are expensive.
 MIN_UNIT = 4
@@ -93,6 +95,7 @@ def pool(
     inverses: list[torch.Tensor],
     weights: list[torch.Tensor | None] | None,
     table: torch.Tensor,
+    recycler: Recycler | None = None,
 ) -> tuple[torch.Tensor, list[_GroupGrad]]:
     """The concat [B, K * u] of every feature's pooled bags, and each group's backward info.
 
@@ -103,6 +106,7 @@ def pool(
             collection order).
         weights: per group, per-id weights [N_g], or None (unweighted collection).
         table: scratch [sum_g U_g k_g, u] for the unit table.
+        recycler: where the output's memory comes from (one id per bag), or None (fresh).
     """
     F_all, B = stacked.shape
     K, u = layout.K, layout.unit
@@ -126,13 +130,16 @@ def pool(
             first_row = (consts["group_cols"][g][:, None] + sample_rows[None, :]).reshape(-1)  # [F_g * B] = [N_g]
             src = inv * k + bases[g]
             if k == 1:
-                idx.index_copy_(0, first_row, src)
+                idx.scatter_(0, first_row, src)
             else:
                 ar = consts["arange"][:k]
-                idx.index_copy_(0, (first_row[:, None] + ar).reshape(-1), (src[:, None] + ar).reshape(-1))
+                idx.scatter_(0, (first_row[:, None] + ar).reshape(-1), (src[:, None] + ar).reshape(-1))
             grads.append(_GroupGrad(first_row, None))
-        out = table.index_select(0, idx)  # [B * K, u]
-        return out.view(B, K * u), grads
+        if recycler is None:
+            return table.index_select(0, idx).view(B, K * u), grads
+        out = recycler.get("concat", (B, K * u), table.dtype, device)
+        torch.index_select(table, 0, idx, out=out.view(B * K, u))
+        return out, grads
     unit_len = stacked.t().repeat_interleave(consts["k"], dim=1).reshape(-1)  # [B * K]
     unit_off = torch.cumsum(unit_len, 0).sub_(unit_len)
     total = sum(inv.numel() * k for inv, k in zip(inverses, layout.group_k))
@@ -153,16 +160,16 @@ def pool(
         src = inv * k + bases[g]
         w = weights[g].to(table.dtype) if weights is not None else None
         if k == 1:
-            idx.index_copy_(0, first, src)
+            idx.scatter_(0, first, src)
             if psw is not None:
-                psw.index_copy_(0, first, w)
+                psw.scatter_(0, first, w)
         else:
             # Sub-unit t of a bag follows sub-unit t - 1, each as long as the bag.
             ar = consts["arange"][:k]
             dest = (first[:, None] + ar * id_len[:, None]).reshape(-1)
-            idx.index_copy_(0, dest, (src[:, None] + ar).reshape(-1))
+            idx.scatter_(0, dest, (src[:, None] + ar).reshape(-1))
             if psw is not None:
-                psw.index_copy_(0, dest, w[:, None].expand(-1, k).reshape(-1))
+                psw.scatter_(0, dest, w[:, None].expand(-1, k).reshape(-1))
         scale = w
         if any_mean:
             is_mean = consts["group_mean"][g].repeat_interleave(B).index_select(0, bag_of_id)

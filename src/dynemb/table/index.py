@@ -147,7 +147,7 @@ def unique_pairs(first: torch.Tensor, second: torch.Tensor) -> tuple[tuple[torch
     if f.numel() > 1:
         start[1:] = (f[1:] != f[:-1]) | (s[1:] != s[:-1])
     group = start.cumsum(0) - 1  # [N] pair id in sorted order
-    inverse = torch.empty_like(group).index_copy_(0, order, group)
+    inverse = torch.empty_like(group).scatter_(0, order, group)
     starts = start.nonzero().squeeze(1)
     counts = torch.diff(starts, append=starts.new_tensor([f.numel()]))
     return (f.index_select(0, starts), s.index_select(0, starts)), inverse, counts
@@ -446,9 +446,9 @@ class KeyIndex:
             # Saturating add: a key pinned at the largest score must not wrap to the smallest.
             old = flat_scores.index_select(0, found_pos)
             add = counts[found]
-            flat_scores.index_copy_(0, found_pos, torch.where(old > _MAX_SCORE - add, _MAX_SCORE, old + add))
+            flat_scores.scatter_(0, found_pos, torch.where(old > _MAX_SCORE - add, _MAX_SCORE, old + add))
         else:
-            flat_scores.index_copy_(0, found_pos, batch_scores[found])
+            flat_scores.scatter_(0, found_pos, batch_scores[found])
 
         missing = (~found).nonzero().squeeze(1)  # [M] into unique
         if not uniform:
@@ -478,7 +478,7 @@ class KeyIndex:
                 new_keys.index_select(0, to_place), new_scores.index_select(0, to_place), _pick(new_seg, to_place)
             )
             done = to_place[placed]
-            new_pos.index_copy_(0, done, placed_pos[placed])
+            new_pos.scatter_(0, done, placed_pos[placed])
             waiting.index_fill_(0, done, False)
             pending = waiting.nonzero().squeeze(1)
             if pending.numel() == 0:
@@ -519,7 +519,7 @@ class KeyIndex:
         evicted = (torch.empty(0, dtype=torch.int64, device=self.device),) * 4
         if pending.numel() and self.strategy is not ScoreStrategy.NO_EVICTION:
             victim_pos, *evicted = self._evict_for(new_keys[pending], new_scores[pending], pos[pos >= 0], _pick(new_seg, pending))
-            pos.index_copy_(0, missing[pending], victim_pos)
+            pos.scatter_(0, missing[pending], victim_pos)
         *evicted, taken = evicted
         ok = pos >= 0
         rows = torch.where(ok, self._rows.view(-1).index_select(0, pos.clamp(min=0)), -1)
@@ -569,7 +569,7 @@ class KeyIndex:
             fits, slot_pos = self._fill(keys.index_select(0, todo), scores.index_select(0, todo), bucket, halve)
             done = todo[fits]
             placed.index_fill_(0, done, True)
-            pos.index_copy_(0, done, slot_pos[fits])
+            pos.scatter_(0, done, slot_pos[fits])
             return done.numel()
 
         for _ in range(8):
@@ -593,14 +593,14 @@ class KeyIndex:
         fits, pos = self._free_slots(bucket, rank, halve)
         fit_pos = pos[fits]
         fit_idx = order[fits]
-        self._keys.view(-1).index_copy_(0, fit_pos, keys.index_select(0, fit_idx))
+        self._keys.view(-1).scatter_(0, fit_pos, keys.index_select(0, fit_idx))
         self._used.view(-1).index_fill_(0, fit_pos, True)
-        self._scores.view(-1).index_copy_(0, fit_pos, scores.index_select(0, fit_idx))
-        self._rows.view(-1).index_copy_(0, fit_pos, self.free_list.allocate(fit_pos.numel()))
+        self._scores.view(-1).scatter_(0, fit_pos, scores.index_select(0, fit_idx))
+        self._rows.view(-1).scatter_(0, fit_pos, self.free_list.allocate(fit_pos.numel()))
         self._size += fit_pos.numel()
         self._count("inserts", fit_pos)
-        out_fits = torch.zeros_like(fits).index_copy_(0, order, fits)
-        out_pos = torch.empty_like(pos).index_copy_(0, order, pos)
+        out_fits = torch.zeros_like(fits).scatter_(0, order, fits)
+        out_pos = torch.empty_like(pos).scatter_(0, order, pos)
         return out_fits, out_pos
 
     def _free_slots(self, bucket: torch.Tensor, rank: torch.Tensor, halve: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -679,7 +679,7 @@ class KeyIndex:
         src, dst = src.index_select(0, order)[fits], dst[fits]
         for table in (self._keys, self._rows, self._scores):
             flat = table.view(-1)
-            flat.index_copy_(0, dst, flat.index_select(0, src))
+            flat.scatter_(0, dst, flat.index_select(0, src))
         self._used.view(-1).index_fill_(0, dst, True).index_fill_(0, src, False)
         moves.append((src, dst))
         stuck = (~can_move).nonzero().squeeze(1)  # [S] into full
@@ -730,9 +730,9 @@ class KeyIndex:
             winner = torch.zeros_like(first).index_fill_(0, by_victim.indices[first], True)
             w_rank, w_pos, loser_rank = active[winner], victim_pos[winner], victim_rank[winner]
             # The winner inherits the displaced key's slot and row id.
-            flat_keys.index_copy_(0, w_pos, keys.index_select(0, w_rank))
-            flat_scores.index_copy_(0, w_pos, scores.index_select(0, w_rank))
-            pos.index_copy_(0, w_rank, w_pos)
+            flat_keys.scatter_(0, w_pos, keys.index_select(0, w_rank))
+            flat_scores.scatter_(0, w_pos, scores.index_select(0, w_rank))
+            pos.scatter_(0, w_rank, w_pos)
             pos.index_fill_(0, loser_rank, -1)
             displaced += loser_rank.numel()
             pending = torch.cat([pending[~torch.isin(pending, w_rank)], loser_rank])
@@ -784,10 +784,10 @@ class KeyIndex:
             winner = (top.index_select(0, inverse).view(-1, 2) >= active[:, None]).all(1)
             w_keys, w_pos = active[winner], victim[winner]
             won.append((flat_keys.index_select(0, w_pos), flat_rows.index_select(0, w_pos), flat_scores.index_select(0, w_pos), w_pos))
-            flat_keys.index_copy_(0, w_pos, keys.index_select(0, w_keys))
-            flat_scores.index_copy_(0, w_pos, scores.index_select(0, w_keys))
+            flat_keys.scatter_(0, w_pos, keys.index_select(0, w_keys))
+            flat_scores.scatter_(0, w_pos, scores.index_select(0, w_keys))
             lock.index_fill_(0, w_pos, True)
-            pos.index_copy_(0, w_keys, w_pos)
+            pos.scatter_(0, w_keys, w_pos)
             active = active[~winner]
         lock.index_fill_(0, locked_pos, False)
         lock.index_fill_(0, pos[pos >= 0], False)
@@ -814,9 +814,9 @@ class KeyIndex:
         order, bucket, rank = _group_by_bucket(bucket)
         pos = bucket * W + rank
         new_keys, new_used, new_rows, new_scores, _ = tables
-        new_keys.view(-1).index_copy_(0, pos, keys.index_select(0, order))
-        new_rows.view(-1).index_copy_(0, pos, rows.index_select(0, order))
-        new_scores.view(-1).index_copy_(0, pos, scores.index_select(0, order))
+        new_keys.view(-1).scatter_(0, pos, keys.index_select(0, order))
+        new_rows.view(-1).scatter_(0, pos, rows.index_select(0, order))
+        new_scores.view(-1).scatter_(0, pos, scores.index_select(0, order))
         new_used.view(-1).index_fill_(0, pos, True)
         self._set_tables(tables)
         self._stats["growths"] += 1
@@ -976,9 +976,9 @@ class KeyIndex:
         with torch.inference_mode(False):
             tables = self._new_tables(B)
             new_keys, new_used, new_rows, new_scores, _ = tables
-            new_keys.view(-1).index_copy_(0, slots, keys)
-            new_rows.view(-1).index_copy_(0, slots, rows)
-            new_scores.view(-1).index_copy_(0, slots, scores)
+            new_keys.view(-1).scatter_(0, slots, keys)
+            new_rows.view(-1).scatter_(0, slots, rows)
+            new_scores.view(-1).scatter_(0, slots, scores)
             new_used.view(-1).index_fill_(0, slots, True)
             self.free_list.load_state(high_water, free)
         self._set_tables(tables)
