@@ -4,18 +4,15 @@ Each case runs in gloo processes spawned here (localhost, bounded waits)."""
 
 from __future__ import annotations
 
-import datetime
 import os
-import socket
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import dynemb
 import dynemb.checkpoint
 import dynemb.distributed
+from spawning import run_ranks
 
 FEATURES = ("f1", "f2", "f3")
 B = 4  # samples per rank and step
@@ -69,51 +66,34 @@ def _same(a: dict, b: dict) -> None:
         torch.testing.assert_close(a[k], b[k], msg=lambda m, k=k: f"{k}: {m}")
 
 
-def _init(rank: int, world: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+def _save_at(rank: int, world: int, path: str) -> None:
+    model = dynemb.distributed.shard(_model())
+    _train(model, range(5), world, rank)
+    dynemb.checkpoint.save(model, path)
+    contents = _contents(model, world)
+    if rank == 0:
+        torch.save(contents, path + ".contents.pt")
 
 
-def _save_at(rank: int, world: int, port: int, path: str, errors) -> None:
-    try:
-        _init(rank, world, port)
-        model = dynemb.distributed.shard(_model())
-        _train(model, range(5), world, rank)
-        dynemb.checkpoint.save(model, path)
-        contents = _contents(model, world)
-        if rank == 0:
-            torch.save(contents, path + ".contents.pt")
-        dist.destroy_process_group()
-    except BaseException:
-        errors.put((rank, traceback.format_exc()))
-        raise
-
-
-def _load_at(rank: int, world: int, port: int, path: str, errors) -> None:
-    try:
-        _init(rank, world, port)
-        saved = torch.load(path + ".contents.pt")
-        model = dynemb.distributed.shard(_model())
-        dynemb.checkpoint.load(model, path)
-        _same(_contents(model, world), saved)
-        # Further training: equal to the unsharded model loaded from the same checkpoint and
-        # trained on the concatenated batches.
-        _train(model, range(5, 8), world, rank)
-        after = _contents(model, world)
-        reference = _model()
-        dynemb.checkpoint.load(reference, path)
-        _train(reference, range(5, 8), world, None)
-        _same(after, _collect_unsharded(reference))
-        # And back: the sharded model saves, an unsharded model loads it.
-        dynemb.checkpoint.save(model, path + f".again{world}")
-        if rank == 0:
-            back = _model()
-            dynemb.checkpoint.load(back, path + f".again{world}")
-            _same(_collect_unsharded(back), after)
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        errors.put((rank, traceback.format_exc()))
-        raise
+def _load_at(rank: int, world: int, path: str) -> None:
+    saved = torch.load(path + ".contents.pt")
+    model = dynemb.distributed.shard(_model())
+    dynemb.checkpoint.load(model, path)
+    _same(_contents(model, world), saved)
+    # Further training: equal to the unsharded model loaded from the same checkpoint and
+    # trained on the concatenated batches.
+    _train(model, range(5, 8), world, rank)
+    after = _contents(model, world)
+    reference = _model()
+    dynemb.checkpoint.load(reference, path)
+    _train(reference, range(5, 8), world, None)
+    _same(after, _collect_unsharded(reference))
+    # And back: the sharded model saves, an unsharded model loads it.
+    dynemb.checkpoint.save(model, path + f".again{world}")
+    if rank == 0:
+        back = _model()
+        dynemb.checkpoint.load(back, path + f".again{world}")
+        _same(_collect_unsharded(back), after)
 
 
 def _collect_unsharded(model) -> dict:
@@ -125,44 +105,15 @@ def _collect_unsharded(model) -> dict:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(fn, world: int, *args, timeout: float = 120.0) -> None:
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    procs = mp.start_processes(fn, args=(world, _free_port(), *args, errors), nprocs=world, join=False, start_method="spawn")
-    deadline = timeout
-    try:
-        import time
-
-        t0 = time.monotonic()
-        while not procs.join(timeout=1.0):
-            if time.monotonic() - t0 > deadline:
-                raise AssertionError(f"{fn.__name__} at world size {world}: still running after {deadline:.0f} s")
-    except mp.ProcessRaisedException as e:
-        found = []
-        while not errors.empty():
-            found.append(errors.get())
-        raise AssertionError(f"{fn.__name__} at world size {world} failed: {found or e}") from None
-    finally:
-        for p in procs.processes:
-            if p.is_alive():
-                p.kill()
-
-
 def test_save_at_two_ranks_loads_at_one_three_and_four(tmp_path):
     path = str(tmp_path / "ckpt")
-    _spawn(_save_at, 2, path)
+    run_ranks(_save_at, 2, path)
     manifest = dynemb.checkpoint.chain_of(path)[-1][1]
     assert manifest["world_size"] == 2
     names = sorted(os.path.basename(f["path"]) for f in manifest["tables"]["a"]["files"])
     assert any(n.startswith("rows-r00000-") for n in names) and any(n.startswith("rows-r00001-") for n in names), names
     for world in (1, 3, 4):
-        _spawn(_load_at, world, path)
+        run_ranks(_load_at, world, path)
 
 
 def test_unsharded_checkpoint_loads_sharded(tmp_path):
@@ -171,63 +122,49 @@ def test_unsharded_checkpoint_loads_sharded(tmp_path):
     _train(model, range(5), 2, None)  # the global batches of a 2-rank run
     dynemb.checkpoint.save(model, path)
     torch.save(_collect_unsharded(model), path + ".contents.pt")
-    _spawn(_load_at, 2, path)
+    run_ranks(_load_at, 2, path)
 
 
-def _dcp_save_at(rank: int, world: int, port: int, path: str, errors) -> None:
-    try:
-        import torch.distributed.checkpoint as dcp
+def _dcp_save_at(rank: int, world: int, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
 
-        from dynemb.checkpoint.dcp import Stateful
+    from dynemb.checkpoint.dcp import Stateful
 
-        _init(rank, world, port)
-        model = dynemb.distributed.shard(_model())
-        _train(model, range(5), world, rank)
-        dcp.save({"model": Stateful(model)}, checkpoint_id=path)
-        contents = _contents(model, world)
-        if rank == 0:
-            torch.save(contents, path + ".contents.pt")
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        errors.put((rank, traceback.format_exc()))
-        raise
+    model = dynemb.distributed.shard(_model())
+    _train(model, range(5), world, rank)
+    dcp.save({"model": Stateful(model)}, checkpoint_id=path)
+    contents = _contents(model, world)
+    if rank == 0:
+        torch.save(contents, path + ".contents.pt")
 
 
-def _dcp_load_at(rank: int, world: int, port: int, path: str, errors) -> None:
-    try:
-        import torch.distributed.checkpoint as dcp
+def _dcp_load_at(rank: int, world: int, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
 
-        from dynemb.checkpoint.dcp import Stateful, prepare_load
+    from dynemb.checkpoint.dcp import Stateful, prepare_load
 
-        _init(rank, world, port)
-        saved = torch.load(path + ".contents.pt")
-        model = dynemb.distributed.shard(_model())
-        state = {"model": Stateful(model)}
-        prepare_load(state, path)
-        dcp.load(state, checkpoint_id=path)
-        _same(_contents(model, world), saved)
-        _train(model, range(5, 8), world, rank)
-        after = _contents(model, world)
-        reference = _model()
-        dynemb.checkpoint.load(reference, path + ".plain")
-        _train(reference, range(5, 8), world, None)
-        _same(after, _collect_unsharded(reference))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        errors.put((rank, traceback.format_exc()))
-        raise
+    saved = torch.load(path + ".contents.pt")
+    model = dynemb.distributed.shard(_model())
+    state = {"model": Stateful(model)}
+    prepare_load(state, path)
+    dcp.load(state, checkpoint_id=path)
+    _same(_contents(model, world), saved)
+    _train(model, range(5, 8), world, rank)
+    after = _contents(model, world)
+    reference = _model()
+    dynemb.checkpoint.load(reference, path + ".plain")
+    _train(reference, range(5, 8), world, None)
+    _same(after, _collect_unsharded(reference))
 
 
 def test_dcp_save_at_two_ranks_loads_at_three(tmp_path):
     """torch.distributed.checkpoint: save at 2, load at 3 (tables by key, then 3 steps equal to
     the unsharded model)."""
     path = str(tmp_path / "dcp")
-    _spawn(_dcp_save_at, 2, path)
+    run_ranks(_dcp_save_at, 2, path)
     # The unsharded reference starts from the same content (a dynemb checkpoint of it).
     plain = _model()
     _train(plain, range(5), 2, None)
     dynemb.checkpoint.save(plain, path + ".plain")
     _same(_collect_unsharded(plain), torch.load(path + ".contents.pt"))
-    _spawn(_dcp_load_at, 3, path)
+    run_ranks(_dcp_load_at, 3, path)

@@ -11,15 +11,10 @@ W ranks, B samples per rank, F features, D embedding dim, N ids.
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import socket
-import time
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torchrec
 from torchrec import EmbeddingBagConfig, EmbeddingConfig, KeyedJaggedTensor, PoolingType
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -29,6 +24,7 @@ from torchrec_testing import INT64_MAX, INT64_MIN, ids
 
 import dynemb
 import dynemb.torchrec
+from spawning import run_ranks
 
 B, D = 8, 8
 STEPS = 4
@@ -244,60 +240,17 @@ def _shared_feature_worker(rank: int, world: int) -> None:
     _check_rows(model.module.ebc, reference.ebc.collection, ["t0", "t1"])
 
 
-WORKERS = {"dlrm": _dlrm_worker, "sequence": _sequence_worker, "shared_feature": _shared_feature_worker}
-
-
-def _run(rank: int, case: str, world: int, port: int, errors) -> None:
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-        WORKERS[case](rank, world)
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        errors.put((rank, traceback.format_exc()))
-        raise
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(case: str, world: int) -> None:
-    """Run ``case`` on ``world`` gloo processes; fail with every worker's traceback, kill stragglers."""
-    errors = mp.get_context("spawn").SimpleQueue()
-    procs = mp.start_processes(_run, args=(case, world, _free_port(), errors), nprocs=world, join=False, start_method="spawn")
-    start = time.monotonic()
-    try:
-        while not procs.join(timeout=1.0):
-            if time.monotonic() - start > TIMEOUT_S:
-                raise AssertionError(f"{case}: workers still running after {TIMEOUT_S:.0f} s")
-    except Exception as e:
-        found = []
-        while not errors.empty():
-            found.append(errors.get())
-        report = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(found)) or str(e)
-        raise AssertionError(f"{case} at world size {world} failed:\n{report}") from None
-    finally:
-        for p in procs.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-
-
 def test_dmp_shards_dlrm_and_trains_like_the_unsharded_model():
-    _spawn("dlrm", world=2)
+    run_ranks(_dlrm_worker, 2, timeout_s=TIMEOUT_S)
 
 
 def test_dmp_shards_the_sequence_collection_and_trains_like_the_unsharded_model():
-    _spawn("sequence", world=2)
+    run_ranks(_sequence_worker, 2, timeout_s=TIMEOUT_S)
 
 
 def test_dmp_weighted_shared_feature_deferred_at_three_ranks():
     # W = 3: uint64(-1) % 3 = 0 but -1 % 3 = 2 in torch, so the routing must be unsigned.
-    _spawn("shared_feature", world=3)
+    run_ranks(_shared_feature_worker, 3, timeout_s=TIMEOUT_S)
 
 
 def test_plan_puts_every_table_row_wise_on_the_dynemb_kernel():
