@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.utils.dlpack
 
 from dynemb.workspace import Recycler
 
@@ -15,7 +16,7 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize(
     "hold",
-    ["tensor", "view", "detach", "numpy", "split", "autograd"],
+    ["tensor", "view", "detach", "numpy", "split", "autograd", "dlpack", "untyped_storage", "typed_storage", "shared"],
 )
 def test_a_held_output_is_not_reused(hold):
     r = Recycler()
@@ -29,6 +30,11 @@ def test_a_held_output_is_not_reused(hold):
         "numpy": lambda: out.numpy(),
         "split": lambda: torch.split(out, [4, 4], dim=1),
         "autograd": lambda: (out * w).sum(),  # the graph keeps out for w's gradient
+        "dlpack": lambda: torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(out)),
+        "untyped_storage": lambda: out.untyped_storage(),
+        "typed_storage": lambda: out.storage(),
+        # Sent to another process: its memory moved to shared memory, read over there.
+        "shared": lambda: [out.share_memory_()] and None,
     }[hold]()
     ptr = out.data_ptr()
     if hold != "tensor":
@@ -41,6 +47,19 @@ def test_a_held_output_is_not_reused(hold):
     elif hold == "numpy":
         assert np.all(held == 1.0)
     del held
+
+
+def test_freed_or_outsized_blocks_are_replaced():
+    r = Recycler()
+    out = r.get("x", (64, 8), torch.float32, torch.device("cpu"))
+    out.untyped_storage().resize_(0)  # memory released by its user (FSDP-style)
+    del out
+    again = r.get("x", (64, 8), torch.float32, torch.device("cpu"))
+    again.fill_(2.0)
+    ptr = again.data_ptr()
+    del again
+    # A much smaller request does not keep the large block alive.
+    assert r.get("x", (4, 8), torch.float32, torch.device("cpu")).data_ptr() != ptr
 
 
 def test_a_dropped_output_is_reused_and_is_not_a_view():

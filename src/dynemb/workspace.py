@@ -14,6 +14,8 @@ A Workspace is not thread-safe: its owner (a table, under the table's lock) seri
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 SHRINK_WINDOW = 64
@@ -85,20 +87,33 @@ class Workspace:
         self._buffers.clear()
 
 
-# Number of references to a tensor's storage (tensors, views, storage objects); private to
+# Number of C++ references to a tensor's storage (tensors, views, storage objects); private to
 # torch, so recycling is off where this torch lacks it.
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
+def _storage_refs(t: torch.Tensor) -> tuple[int, int]:
+    """(C++ owners of ``t``'s storage, Python references to its storage object), both counted
+    with one temporary storage object alive."""
+    st = t.untyped_storage()
+    return _storage_use_count(st._cdata), sys.getrefcount(st)
+
+
+# What an unshared block shows: itself and the temporary storage object (C++), and the
+# temporary's own Python references (measured, as it depends on torch's object bookkeeping).
+_UNSHARED = _storage_refs(torch.empty(1)) if _storage_use_count is not None else None
+
+
 class Recycler:
-    """Output tensors handed to callers, whose memory is reused once nobody holds them.
+    """Output tensors handed to callers, whose memory is reused once nobody can read them.
 
     ``get`` returns a fresh tensor (not a view) on a block kept here. At the next ``get`` the
-    block is reused only if no tensor, view, autograd node or numpy array still references it,
-    that is when the only owners of its storage are this recycler's own handle and the
-    temporary storage object of the check; otherwise a new block is made. On CPU this spares a
-    large output the page faults of fresh memory each step. CUDA's caching allocator already
-    reuses memory, so there ``get`` allocates plainly.
+    block is reused only if nothing else can reach its memory: no tensor, view, autograd node,
+    numpy array or DLPack capsule (they own the storage in C++), no storage object held in
+    Python (``untyped_storage()``, ``storage()``, a saved-tensor hook keeping one), and the
+    memory was not moved to shared memory (sent to another process); otherwise a new block is
+    made. On CPU this spares a large output the page faults of fresh memory each step. CUDA's
+    caching allocator already reuses memory, so there ``get`` allocates plainly.
 
     Not thread-safe: its owner serialises calls (a collection, under its lock).
     """
@@ -106,15 +121,24 @@ class Recycler:
     def __init__(self):
         self._blocks: dict[str, torch.Tensor] = {}
 
+    def _reusable(self, block: torch.Tensor | None, n: int, dtype: torch.dtype) -> bool:
+        if block is None or block.dtype != dtype or not n <= block.numel() <= 2 * n:
+            return False
+        st = block.untyped_storage()
+        if st.nbytes() < n * block.element_size() or st.is_shared():
+            return False
+        del st
+        return _storage_refs(block) == _UNSHARED
+
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if device.type != "cpu" or _storage_use_count is None:
+        if device.type != "cpu" or _UNSHARED is None:
             return torch.empty(shape, dtype=dtype, device=device)
         n = 1
         for s in shape:
             n *= s
         block = self._blocks.get(name)
-        # Owners of an unshared block's storage: ``block`` and the storage object made here.
-        if block is None or block.dtype != dtype or block.numel() < n or _storage_use_count(block.untyped_storage()._cdata) != 2:
+        if not self._reusable(block, n, dtype):
+            # A new block each time one is held: drop the old one so it is freed with its users.
             with torch.inference_mode(False):
                 block = self._blocks[name] = torch.empty(n, dtype=dtype, device=device)
         poison_(block[:n])

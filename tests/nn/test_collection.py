@@ -295,6 +295,19 @@ def test_bag_gradient_through_one_feature_view(pooling_path):
     assert_same_tables(col, singles)
 
 
+@pytest.mark.parametrize("max_len", [1, 3])
+def test_pooled_output_can_be_modified_in_place(max_len, pooling_path):
+    """out.concat is not a view made inside an autograd Function, so in-place ops work."""
+    col = dynemb.DynamicEmbeddingBagCollection(TABLES, OPTIMIZERS["sgd"]())
+    feats = batch(torch.Generator().manual_seed(13), max_len=max_len)
+    if max_len == 1:
+        feats = {f: (torch.arange(B) + 7 * j, torch.ones(B, dtype=torch.int64)) for j, f in enumerate(FEATURES)}
+    out = col(feats)
+    torch.nn.functional.relu(out.concat, inplace=True)
+    (out.concat * 2).sum().backward()
+    assert bool((out.concat.detach() >= 0).all())
+
+
 @pytest.mark.parametrize("dim", [4, 8])
 def test_weighted_bags_equal_per_sample_weights(dim, pooling_path):
     tables = [TableConfig(name="t", feature_names=["f", "g"], embedding_dim=dim, capacity=128), TableConfig(name="o", embedding_dim=4, capacity=16)]

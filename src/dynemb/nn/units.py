@@ -136,7 +136,7 @@ def pool(
                 idx.scatter_(0, (first_row[:, None] + ar).reshape(-1), (src[:, None] + ar).reshape(-1))
             grads.append(_GroupGrad(first_row, None))
         if recycler is None:
-            return table.index_select(0, idx).view(B, K * u), grads
+            return _reshaped(table.index_select(0, idx), (B, K * u)), grads
         out = recycler.get("concat", (B, K * u), table.dtype, device)
         torch.index_select(table, 0, idx, out=out.view(B * K, u))
         return out, grads
@@ -181,7 +181,13 @@ def pool(
     if any_mean:
         divisor = torch.where(consts["mean_cols"][None, :], unit_len.view(B, K).clamp(min=1), 1).to(out.dtype)
         out.div_(divisor.reshape(-1, 1))
-    return out.view(B, K * u), grads
+    return _reshaped(out, (B, K * u)), grads
+
+
+def _reshaped(t: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """Contiguous ``t`` as ``shape``, not as a view: the output of an autograd Function that is a
+    view made inside it could not be modified in place (``relu_``, ``detach_``)."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), shape)
 
 
 def group_gradient(
