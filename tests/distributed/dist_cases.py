@@ -633,6 +633,88 @@ def fill(worker: Worker, group) -> None:
     check.done()
 
 
+# -- insert and erase ----------------------------------------------------------------------------
+
+
+def _insert_erase(
+    check: Checks, group, insert: Callable, ref_insert: Callable, erase: Callable | None, ref_erase: Callable | None, dim: int, width: int
+) -> None:
+    """Each rank inserts its share of the keys (embeddings, then whole rows with scores over
+    keys partly present), then erases its share of a mix of present and never-seen keys; the
+    last rank passes no keys to the first insert and to erase. Returns flags are checked
+    against the unsharded table's for the same keys."""
+    W, r = group.size(), group.rank()
+    gen = torch.Generator().manual_seed(31)
+
+    def all_but_last(n: int) -> torch.Tensor:
+        # This rank's share of n keys when the last rank has none: rank 0 takes its share too.
+        if r == W - 1:
+            return torch.arange(0)
+        mine = torch.arange(r, n, W)
+        return torch.sort(torch.cat([mine, torch.arange(W - 1, n, W)])).values if r == 0 else mine
+
+    first = KEYS[:40]
+    values = torch.randn(first.numel(), dim, generator=gen)
+    mine_first = all_but_last(first.numel())
+    ok = insert(first[mine_first], values[mine_first], None)
+    want = ref_insert(first, values, None)
+    check.equal("insert (embeddings): returned flags", ok, want[mine_first])
+    second = KEYS[20:]
+    rows = torch.rand(second.numel(), width, generator=gen)  # whole rows: Adam's v must be >= 0
+    scores = torch.arange(100, 100 + second.numel())
+    sel = torch.arange(r, second.numel(), W)
+    ok = insert(second[sel], rows[sel], scores[sel])
+    want = ref_insert(second, rows, scores)
+    check.equal("insert (whole rows, scores): returned flags", ok, want[sel])
+    if erase is not None:
+        doomed = torch.cat([KEYS[::3], UNSEEN[:6]])
+        sel = all_but_last(doomed.numel())
+        found = erase(doomed[sel])
+        want = ref_erase(doomed)
+        check.equal("erase: found flags", found, want[sel])
+
+
+def insert_erase_table(worker: Worker, group) -> None:
+    """insert() / erase() on a sharded table: collective, each rank's keys to their owners; the
+    shards then hold exactly the unsharded table's rows, find() agrees, and one more training
+    step (Adam, so the inserted optimizer state matters) matches."""
+    W, r = group.size(), group.rank()
+    check = Checks(r)
+
+    def make():
+        return dynemb.DynamicEmbedding(D, CAPACITY, optimizer=OPTIMIZERS["adam"](), score_strategy="step")
+
+    table, ref = _shard(make(), group), make()
+    _insert_erase(check, group, table.insert, ref.insert, table.erase, ref.erase, dim=D, width=3 * D)
+    check_shards(check, group, "table after insert / erase", table.export(), ref.export())
+    check_find(check, "table after insert / erase", r, W, table.find, ref.find)
+    ids = KEYS[1::2]
+    coef = torch.randn(ids.numel(), D, generator=torch.Generator().manual_seed(32))
+    sel = torch.arange(r, ids.numel(), W)
+    loss_of(table(ids[sel]), coef[sel]).backward()
+    loss_of(ref(ids), coef).backward()
+    check_shards(check, group, "table after a training step", table.export(), ref.export())
+    check.done()
+
+
+def insert_erase_collection(worker: Worker, group) -> None:
+    """insert() on a sharded collection's table (table 'b', in a group with 'a'): as for a table;
+    the other tables are untouched."""
+    W, r = group.size(), group.rank()
+    check = Checks(r)
+    col, ref = _shard(make_collection(True, "adam", "fused"), group), make_collection(True, "adam", "fused")
+    engine = col.engines[col._table_group[TABLE_NAMES.index("b")][0]]
+
+    def insert(c):
+        return lambda keys, values, scores: c.insert("b", keys, values, scores)
+
+    _insert_erase(check, group, insert(col), insert(ref), None, None, dim=engine.embedding_dim, width=engine.width)
+    for name in TABLE_NAMES:
+        check_shards(check, group, f"collection table {name!r} after insert", col.export(name), ref.export(name))
+    check_find(check, "collection table 'b' after insert", r, W, lambda k: col.find("b", k), lambda k: ref.find("b", k))
+    check.done()
+
+
 # -- a model holding several dynemb modules ------------------------------------------------------
 
 
@@ -699,6 +781,8 @@ def _cases() -> dict[str, Callable]:
     cases["failed-keys-table"] = failed_keys_table
     cases["failed-keys-collection"] = failed_keys_collection
     cases["fill"] = fill
+    cases["insert-erase-table"] = insert_erase_table
+    cases["insert-erase-collection"] = insert_erase_collection
     # Last: it uses the default group, which a failed case might leave busy.
     cases["nested-module-default-group"] = nested_module
     return cases

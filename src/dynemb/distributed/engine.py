@@ -1,7 +1,7 @@
 """Sharded engines: the functional layer of a table (or group of tables) split row-wise by key.
 
 A sharded engine stands where the module expects its engine (``resolve``, ``gather``,
-``apply_gradients``, ``find``, ``apply_pending``) and keeps the module's policy code unchanged.
+``apply_gradients``, ``find``, ``apply_pending``, ``write_rows``, ``erase``) and keeps the module's policy code unchanged.
 Each call is collective: every rank calls it with its own unique keys, the keys travel to their
 owners (:func:`dynemb.distributed.comm.owner_of`), each owner runs the local engine (the
 functional layer, never the index or the store directly) on the union of the keys it received,
@@ -15,6 +15,8 @@ not place come back as not placed, and the asking rank reports them as its faile
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -117,6 +119,33 @@ class _Sharded:
         self._rows_data = data
         return torch.where(found, torch.arange(keys.numel(), device=keys.device), -1), found
 
+    def _write_rows(self, keys, segs, values) -> None:
+        """``insert``'s write: each placed key's values [N, *] to its owner, which overwrites the
+        key's row (a key given by several ranks gets one of their values)."""
+        route = Route(self.comm, keys)
+        rkeys = route.out(keys)
+        rsegs = None if segs is None else route.out(segs)
+        rvalues = route.out(values)
+        rows, found = self.local.find(rkeys) if rsegs is None else self.local.find(rkeys, rsegs)
+        sel = found.nonzero().squeeze(1)
+        if rsegs is None:
+            self.local.write_rows(rkeys.index_select(0, sel), rows.index_select(0, sel), rvalues.index_select(0, sel))
+        else:
+            self.local.write_rows(rkeys.index_select(0, sel), rsegs.index_select(0, sel), rows.index_select(0, sel), rvalues.index_select(0, sel))
+
+    def _erase(self, keys, segs, evicted_contents: bool):
+        """Each key to its owner, which erases it (and reports it: evict hooks and
+        ``last_evicted_keys`` of the owning rank, as for evictions); ``found`` [N] comes back to
+        the rank that asked."""
+        route = Route(self.comm, keys)
+        rkeys = route.out(keys)
+        rsegs = None if segs is None else route.out(segs)
+        r, contents = (
+            self.local.erase(rkeys, evicted_contents=evicted_contents) if rsegs is None else self.local.erase(rkeys, rsegs, evicted_contents=evicted_contents)
+        )
+        found = route.back(r.found.to(torch.uint8)).bool()
+        return dataclasses.replace(r, found=found), contents
+
     def _apply(self, keys, segs, rows, grads, nonfinite: NonFiniteGrads, stepped=None) -> int:
         """Send each placed key's gradient to its owner; owners sum per key and step once."""
         keep = (rows >= 0).nonzero().squeeze(1)
@@ -160,6 +189,12 @@ class ShardedTableEngine(_Sharded):
     def find(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._find(keys, None)
 
+    def write_rows(self, keys, rows, values) -> None:
+        self._write_rows(keys, None, values)
+
+    def erase(self, keys, *, evicted_contents=False):
+        return self._erase(keys, None, evicted_contents)
+
     def apply_gradients(self, keys, rows, grads, *, data=None, version=None, nonfinite=NonFiniteGrads.SKIP) -> int:
         return self._apply(keys, None, rows, grads, nonfinite)
 
@@ -181,6 +216,12 @@ class ShardedGroupEngine(_Sharded):
 
     def find(self, keys: torch.Tensor, segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._find(keys, segments)
+
+    def write_rows(self, keys, segments, rows, values) -> None:
+        self._write_rows(keys, segments, values)
+
+    def erase(self, keys, segments, *, evicted_contents=False):
+        return self._erase(keys, segments, evicted_contents)
 
     def apply_gradients(self, keys, segments, rows, grads, *, data=None, version=None, nonfinite=NonFiniteGrads.SKIP, stepped=None) -> int:
         return self._apply(keys, segments, rows, grads, nonfinite, stepped)

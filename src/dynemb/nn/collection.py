@@ -568,10 +568,9 @@ class _DynamicCollection(torch.nn.Module):
     def insert(self, table: str, keys, values: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
         """Assign rows to one table's keys ([N] distinct), inserting missing ones; ``values``
         [N, D] (embeddings) or [N, D+S] (whole rows). Returns found-after ([N] bool)."""
-        from dynemb.nn.module import _refuse_sharded, as_ids
+        from dynemb.nn.module import as_ids
 
         engine, s, t = self._engine_of(table)
-        _refuse_sharded(engine, "insert")
         flat = as_ids(keys, "keys", engine.device).reshape(-1)
         n = flat.numel()
         widths = (engine.embedding_dim, engine.width)
@@ -591,7 +590,7 @@ class _DynamicCollection(torch.nn.Module):
                 unique, segs, train=True, now=now, scores=given, evicted_contents=bool(self._evict_hooks), init_rows=values.shape[1] != engine.width
             )
             ok = r.ok.nonzero().squeeze(1)
-            engine.store.scatter(r.rows.index_select(0, ok), values.index_select(0, ok))
+            engine.write_rows(unique.index_select(0, ok), segs.index_select(0, ok), r.rows.index_select(0, ok), values.index_select(0, ok))
             failures = self._report(self._groups[self._table_group[t][0]], r)
         self._raise_failures(failures)
         return r.ok.index_select(0, inverse)

@@ -151,13 +151,10 @@ class TableEngine:
                 )
         except RuntimeError as e:
             raise ValueError(
-                f"capacity={config.capacity}, init_capacity={config.init_capacity}: allocating the table failed "
-                f"(a full table needs {full_bytes:,} bytes): {e}"
+                f"capacity={config.capacity}, init_capacity={config.init_capacity}: allocating the table failed (a full table needs {full_bytes:,} bytes): {e}"
             ) from None
         if not isinstance(store, RowStore) or store.width != self.width or store.capacity < self.index.capacity():
-            raise ValueError(
-                f"store={store!r}: must be a RowStore of width {self.width} and capacity >= {self.index.capacity()}"
-            )
+            raise ValueError(f"store={store!r}: must be a RowStore of width {self.width} and capacity >= {self.index.capacity()}")
         self.store = store
         self.initializer = RowInitializer(config.initializer, D, config.seed, config.dtype, config.device)
         self.optimizer_step = 0
@@ -316,6 +313,12 @@ class TableEngine:
                 self.changes.touch(rows)
             self.version += 1
         return skipped
+
+    def write_rows(self, keys: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Overwrite the rows [N] of keys [N] (just resolved, all placed) with ``values`` [N, D]
+        (embeddings) or [N, D+S] (whole rows): ``insert``'s write."""
+        with writable():
+            self.store.scatter(rows, values)
 
     def erase(self, keys: torch.Tensor, *, evicted_contents: bool = False) -> tuple[IndexResult, dict[str, torch.Tensor] | None]:
         """Remove keys ([N] int64, duplicates allowed); the contents of their rows when asked."""

@@ -92,9 +92,7 @@ class GroupEngine:
         total = _device_memory(first.device)
         names = [c.name for c in configs]
         if total is not None and full_bytes > total:
-            raise ValueError(
-                f"capacity of tables {names}: full tables need {full_bytes:,} bytes, more than the {total:,} bytes of memory on {first.device}"
-            )
+            raise ValueError(f"capacity of tables {names}: full tables need {full_bytes:,} bytes, more than the {total:,} bytes of memory on {first.device}")
         try:
             self.index = SegmentedKeyIndex(
                 capacities=[c.capacity for c in configs], bucket_capacity=W, score_strategy=first.score_strategy, device=first.device
@@ -186,9 +184,7 @@ class GroupEngine:
             rows = torch.full_like(keys, -1).index_copy_(0, sel, r.rows)
             found = torch.zeros_like(insertable).index_copy_(0, sel, r.found)
             inserted = torch.zeros_like(insertable).index_copy_(0, sel, r.inserted)
-        return GroupResolved(
-            keys, segments, rows, found, inserted, r.evicted_keys, r.evicted_segments, evicted, r.failed_keys, r.failed_segments
-        )
+        return GroupResolved(keys, segments, rows, found, inserted, r.evicted_keys, r.evicted_segments, evicted, r.failed_keys, r.failed_segments)
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows [U, D+S] of row ids [U] (-1 allowed: such rows hold undefined values)."""
@@ -243,8 +239,7 @@ class GroupEngine:
                     names = sorted({self.configs[s].name for s in segments[bad].tolist()})
                     shown = keys[bad][:8].tolist()
                     raise FloatingPointError(
-                        f"non-finite gradient for {int(bad.sum())} key(s) {shown} of tables {names}: no row of this batch "
-                        "was updated (nonfinite_grads='raise')"
+                        f"non-finite gradient for {int(bad.sum())} key(s) {shown} of tables {names}: no row of this batch was updated (nonfinite_grads='raise')"
                     )
                 per_table = torch.bincount(segments[bad], minlength=self.num_tables).tolist()
                 for s, n in enumerate(per_table):
@@ -282,6 +277,12 @@ class GroupEngine:
                 self.changes.touch(rows)
             self.version += 1
         return skipped
+
+    def write_rows(self, keys: torch.Tensor, segments: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Overwrite the rows [N] of pairs [N] (just resolved, all placed) with ``values`` [N, D]
+        or [N, D+S]: ``insert``'s write."""
+        with writable():
+            self.store.scatter(rows, values)
 
     def erase(self, keys: torch.Tensor, segments: torch.Tensor, *, evicted_contents: bool = False):
         """Remove pairs ([N] each, duplicates allowed); returns the IndexResult and the contents

@@ -44,7 +44,20 @@ EvictHook = Callable[[torch.Tensor, dict], None]
 # index's own state.
 _TABLE_ENTRIES = ("keys", "embeddings", "optimizer_state", "scores", "step", "optimizer_step", "last_timestamp", "counters", "generator_state")
 _INDEX_ENTRIES = ("rows", "slots", "num_buckets", "bucket_capacity", "max_buckets", "free_high_water", "free", "counters")
-_ADMISSION_ENTRIES = ("keys", "rows", "scores", "slots", "num_buckets", "bucket_capacity", "max_buckets", "free_high_water", "free", "counters", "counts", "rejections")
+_ADMISSION_ENTRIES = (
+    "keys",
+    "rows",
+    "scores",
+    "slots",
+    "num_buckets",
+    "bucket_capacity",
+    "max_buckets",
+    "free_high_water",
+    "free",
+    "counters",
+    "counts",
+    "rejections",
+)
 
 
 def as_ids(ids, name: str, device: torch.device) -> torch.Tensor:
@@ -56,14 +69,6 @@ def as_ids(ids, name: str, device: torch.device) -> torch.Tensor:
         except (TypeError, ValueError, RuntimeError, OverflowError) as e:
             raise TypeError(f"{name} must be a tensor of int64 or a list of ints, got a list that torch cannot convert: {e}") from None
     return check_keys(ids, name, device).view(ids.shape)
-
-
-def _refuse_sharded(engine, what: str) -> None:
-    if getattr(engine, "collective", False):
-        raise NotImplementedError(
-            f"{what}() on a sharded table is not supported yet: {what} before dynemb.distributed.shard(), "
-            "or load a checkpoint (each rank reads its keys)"
-        )
 
 
 def load_own_entries(module, expected: list[str], load, state_dict, prefix, strict, missing_keys, unexpected_keys, error_msgs) -> None:
@@ -429,7 +434,6 @@ class DynamicTable(torch.nn.Module):
         Returns:
             Tensor[bool]: [N] the key is in the table now (see check_mode for failures).
         """
-        _refuse_sharded(self.engine, "insert")
         flat = self._ids(keys, "keys").reshape(-1)
         n = flat.numel()
         width = (self.embedding_dim, self.engine.width)
@@ -454,7 +458,7 @@ class DynamicTable(torch.nn.Module):
             # A warm start bypasses admission: the caller decides which keys belong.
             r = self._resolve_train(unique, counts, scores=given, admit=False, init_rows=values.shape[1] != self.engine.width)
             ok = r.ok.nonzero().squeeze(1)
-            self.store.scatter(r.rows.index_select(0, ok), values.index_select(0, ok))
+            self.engine.write_rows(unique.index_select(0, ok), r.rows.index_select(0, ok), values.index_select(0, ok))
             # Keys that did fit hold the caller's values before a failure is raised.
             self._report(r.failed_keys, r.evicted_keys, r.evicted, n)
         return r.ok.index_select(0, inverse)
@@ -462,7 +466,6 @@ class DynamicTable(torch.nn.Module):
     def erase(self, keys) -> torch.Tensor:
         """Remove keys ([*] int64) and free their rows; returns found ([*] bool). Erased keys
         leave through the same exit as evicted ones (``last_evicted_keys``, evict hooks)."""
-        _refuse_sharded(self.engine, "erase")
         keys = self._ids(keys, "keys")
         with self._lock:
             r, contents = self.engine.erase(keys.reshape(-1), evicted_contents=bool(self._evict_hooks))
