@@ -99,9 +99,19 @@ def _storage_refs(t: torch.Tensor) -> tuple[int, int]:
     return _storage_use_count(st._cdata), sys.getrefcount(st)
 
 
-# What an unshared block shows: itself and the temporary storage object (C++), and the
-# temporary's own Python references (measured, as it depends on torch's object bookkeeping).
-_UNSHARED = _storage_refs(torch.empty(1)) if _storage_use_count is not None else None
+def _unshared_refs() -> tuple[int, int] | None:
+    """What an unshared block shows: itself and the temporary storage object (C++), and the
+    temporary's own Python references. Measured, as it depends on torch's object bookkeeping:
+    on a storage whose Python object is new and on one whose object was made and dropped before
+    (a recycled block's state); if they differ, recycling is off (never reuse on a guess)."""
+    if _storage_use_count is None:
+        return None
+    t = torch.empty(1)
+    first, again = _storage_refs(t), _storage_refs(t)
+    return first if first == again else None
+
+
+_UNSHARED = _unshared_refs()
 
 
 class Recycler:

@@ -45,11 +45,11 @@ class GroupLookup(Lookup):
 
     __slots__ = ("group", "grouping", "segments")
 
-    def __init__(self, owner, group: int, keys, segments, rows, data, version: int, repeatable: bool = False):
+    def __init__(self, owner, group: int, keys, segments, rows, data, version: int, repeatable: bool = False, grouping: tuple | None = None):
         super().__init__(owner, keys, rows, data, version, repeatable)
         self.group, self.segments = group, segments
         # (order [N], starts [U]): ids grouped by key, when the dedup's sort gives it.
-        self.grouping = None
+        self.grouping = grouping
 
 
 class _PooledBags(torch.autograd.Function):
@@ -397,8 +397,7 @@ class _DynamicCollection(torch.nn.Module):
                 defaults = torch.tensor([self.table_configs[t].eval_default for t in group.tables], dtype=data.dtype, device=device)
                 fill = defaults.index_select(0, segs.index_select(0, missing))[:, None].expand(-1, D)
             data[:, :D].index_copy_(0, missing, fill)
-        lookup = GroupLookup(self, group.index, keys, segs, r.rows, data, engine.version, repeatable=self._pending is not None)
-        lookup.grouping = grouping
+        lookup = GroupLookup(self, group.index, keys, segs, r.rows, data, engine.version, repeatable=self._pending is not None, grouping=grouping)
         if self.training:
             failures.extend(self._report(group, r))
         if self.training and self.optimizer is not None and torch.is_grad_enabled():
