@@ -715,6 +715,52 @@ def insert_erase_collection(worker: Worker, group) -> None:
     check.done()
 
 
+def insert_agreement(worker: Worker, group) -> None:
+    """The ranks agree on insert / erase inputs before any collective: a rank with no keys and no
+    scores joins ranks that give scores and whole rows; widths or scores that differ between
+    ranks with keys, or bad input on one rank, raise on every rank (naming the problem) and
+    leave the ranks in step (the next calls work and match the unsharded table)."""
+    W, r = group.size(), group.rank()
+    check = Checks(r)
+
+    def make():
+        return dynemb.DynamicEmbedding(D, CAPACITY, optimizer=OPTIMIZERS["adam"](), score_strategy="lfu")
+
+    table, ref = _shard(make(), group), make()
+    gen = torch.Generator().manual_seed(33)
+    keys = KEYS[:12]
+    rows = torch.rand(keys.numel(), 3 * D, generator=gen)
+    scores = torch.arange(1, keys.numel() + 1)
+    # Rank 0 inserts everything (whole rows, scores); the others pass nothing, as plain empties.
+    if r == 0:
+        table.insert(keys, rows, scores)
+    else:
+        table.insert(torch.empty(0, dtype=torch.int64), torch.empty(0, D))
+    ref.insert(keys, rows, scores)
+
+    def raises(what: str, call: Callable, match: str) -> None:
+        try:
+            call()
+        except (TypeError, ValueError) as e:
+            check.true(f"{what}: error {e} does not say {match!r}", re.search(match, str(e)) is not None)
+        else:
+            check.true(f"{what}: no error", False)
+
+    other = KEYS[12:14] + r
+    raises("widths differ", lambda: table.insert(other, torch.ones(2, D if r == 0 else 3 * D)), "width differs between ranks")
+    raises("scores on some ranks", lambda: table.insert(other, torch.ones(2, D), torch.ones(2, dtype=torch.int64) if r == 0 else None), "scores differs")
+    bad = torch.tensor([5, 5]) if r == W - 1 else other
+    raises("duplicates on the last rank", lambda: table.insert(bad, torch.ones(2, D)), "duplicate" if r == W - 1 else "bad input on another rank")
+    raises("erase with bad keys on the last rank", lambda: table.erase(torch.tensor([1.5]) if r == W - 1 else KEYS[:1]), "int64|bad input on another rank")
+    # Still in step: an erase and a find that match the unsharded table.
+    found = table.erase(KEYS[r : r + 1])
+    want = ref.erase(KEYS[:W])
+    check.equal("erase after the errors: found", found, want[r : r + 1])
+    check_shards(check, group, "table after the refused calls", table.export(), ref.export())
+    check_find(check, "table after the refused calls", r, W, table.find, ref.find)
+    check.done()
+
+
 # -- a model holding several dynemb modules ------------------------------------------------------
 
 
@@ -783,6 +829,7 @@ def _cases() -> dict[str, Callable]:
     cases["fill"] = fill
     cases["insert-erase-table"] = insert_erase_table
     cases["insert-erase-collection"] = insert_erase_collection
+    cases["insert-agreement"] = insert_agreement
     # Last: it uses the default group, which a failed case might leave busy.
     cases["nested-module-default-group"] = nested_module
     return cases

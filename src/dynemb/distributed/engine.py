@@ -119,6 +119,17 @@ class _Sharded:
         self._rows_data = data
         return torch.where(found, torch.arange(keys.numel(), device=keys.device), -1), found
 
+    def agree(self, what: str, problem: str | None, **fields) -> list[dict]:
+        """Before a collective call with caller-checked input (``insert``, ``erase``): every
+        rank's check result and call fields, so that a rank whose input is bad never leaves the
+        others in a collective it skips. Raises on every rank without a problem of its own when
+        another rank has one (that rank raises its own error); returns every rank's fields."""
+        everyone = self.comm.all_gather_object({"problem": problem, **fields})
+        bad = [f"rank {r}: {e['problem']}" for r, e in enumerate(everyone) if e["problem"] is not None]
+        if bad and problem is None:
+            raise ValueError(f"{what}() on a sharded table: bad input on another rank, so no rank changed the table ({'; '.join(bad)})")
+        return everyone
+
     def _write_rows(self, keys, segs, values) -> None:
         """``insert``'s write: each placed key's values [N, *] to its owner, which overwrites the
         key's row (a key given by several ranks gets one of their values)."""

@@ -71,6 +71,45 @@ def as_ids(ids, name: str, device: torch.device) -> torch.Tensor:
     return check_keys(ids, name, device).view(ids.shape)
 
 
+def agreed_input(engine, what: str, check: Callable, fields: Callable) -> tuple:
+    """``check()`` (which raises TypeError / ValueError on bad input) and, on a sharded
+    (collective) engine, every rank's ``fields(checked)`` too: the ranks agree on their inputs
+    before any collective, so a rank with bad input raises on every rank at once instead of
+    leaving the others waiting. Returns (checked, every rank's fields or None)."""
+    if not getattr(engine, "collective", False):
+        return check(), None
+    try:
+        checked, problem = check(), None
+    except (TypeError, ValueError) as e:
+        checked, problem = None, e
+    peers = engine.agree(what, None if problem is None else f"{type(problem).__name__}: {problem}", **(fields(checked) if problem is None else {}))
+    if problem is not None:
+        raise problem
+    return checked, peers
+
+
+def agreed_insert(peers: list[dict] | None, values: torch.Tensor, given: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A sharded insert's values and scores once the ranks agreed: every rank with keys must
+    give the same values width and scores or no scores (the owners treat every rank's keys
+    alike); a rank with no keys takes theirs. Raises the same error on every rank otherwise."""
+    if peers is None:
+        return values, given
+    with_keys = [p for p in peers if p["n"]]
+    for field, hint, among in (
+        # The table decides which collectives run: every rank must name the same one.
+        ("table", "every rank must insert into the same table (with no keys, too)", peers),
+        ("width", "give every rank embeddings [N, D] or every rank whole rows [N, D+S]", with_keys),
+        ("scores", "give scores on every rank or on none", with_keys),
+    ):
+        if len({p[field] for p in among}) > 1:
+            per_rank = ", ".join(f"rank {r}: {p[field]!r}" for r, p in enumerate(peers) if p in among)
+            raise ValueError(f"insert() on a sharded table: {field} differs between ranks ({per_rank}); {hint}")
+    if values.shape[0] == 0 and with_keys:
+        values = values.new_empty((0, with_keys[0]["width"]))
+        given = values.new_empty(0, dtype=torch.int64) if with_keys[0]["scores"] else None
+    return values, given
+
+
 def load_own_entries(module, expected: list[str], load, state_dict, prefix, strict, missing_keys, unexpected_keys, error_msgs) -> None:
     """``_load_from_state_dict`` of a module whose state is entries of its own (no children):
     collect ``expected`` under ``prefix``, report missing / unexpected ones as torch does, and
@@ -434,26 +473,36 @@ class DynamicTable(torch.nn.Module):
         Returns:
             Tensor[bool]: [N] the key is in the table now (see check_mode for failures).
         """
-        flat = self._ids(keys, "keys").reshape(-1)
-        n = flat.numel()
-        width = (self.embedding_dim, self.engine.width)
-        if not isinstance(values, torch.Tensor) or values.dim() != 2 or values.shape[0] != n or values.shape[1] not in width:
-            shape = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
-            raise ValueError(f"values.shape={shape}: must be [{n}, {width[0]}] or [{n}, {width[1]}]")
-        if not values.is_floating_point():
-            raise TypeError(f"values.dtype={values.dtype}: must be a floating point dtype")
-        unique, inverse, counts = torch.unique(flat, sorted=True, return_inverse=True, return_counts=True)
-        if unique.numel() != n:
-            raise ValueError(f"keys has {n - unique.numel()} duplicate(s): insert assigns one value per key")
-        order = torch.empty_like(inverse)
-        order[inverse] = torch.arange(n, device=self.device)
-        given = None
-        if scores is not None:
-            s = self._ids(scores, "scores").reshape(-1)
-            if s.numel() != n:
-                raise ValueError(f"scores has {s.numel()} values for {n} keys")
-            given = s.index_select(0, order)
-        values = values.detach().to(device=self.device, dtype=self.config.dtype).index_select(0, order)
+
+        def check():
+            flat = self._ids(keys, "keys").reshape(-1)
+            n = flat.numel()
+            width = (self.embedding_dim, self.engine.width)
+            if not isinstance(values, torch.Tensor) or values.dim() != 2 or values.shape[0] != n or values.shape[1] not in width:
+                shape = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
+                raise ValueError(f"values.shape={shape}: must be [{n}, {width[0]}] or [{n}, {width[1]}]")
+            if not values.is_floating_point():
+                raise TypeError(f"values.dtype={values.dtype}: must be a floating point dtype")
+            unique, inverse, counts = torch.unique(flat, sorted=True, return_inverse=True, return_counts=True)
+            if unique.numel() != n:
+                raise ValueError(f"keys has {n - unique.numel()} duplicate(s): insert assigns one value per key")
+            order = torch.empty_like(inverse)
+            order[inverse] = torch.arange(n, device=self.device)
+            given = None
+            if scores is not None:
+                s = self._ids(scores, "scores").reshape(-1)
+                if s.numel() != n:
+                    raise ValueError(f"scores has {s.numel()} values for {n} keys")
+                given = s.index_select(0, order)
+            ordered = values.detach().to(device=self.device, dtype=self.config.dtype).index_select(0, order)
+            return unique, inverse, counts, ordered, given
+
+        (unique, inverse, counts, values_, given), peers = agreed_input(
+            self.engine, "insert", check, lambda c: {"table": None, "n": c[0].numel(), "width": c[3].shape[1], "scores": c[4] is not None}
+        )
+        values_, given = agreed_insert(peers, values_, given)
+        n = unique.numel()
+        values = values_
         with self._lock, writable():
             # A warm start bypasses admission: the caller decides which keys belong.
             r = self._resolve_train(unique, counts, scores=given, admit=False, init_rows=values.shape[1] != self.engine.width)
@@ -466,7 +515,7 @@ class DynamicTable(torch.nn.Module):
     def erase(self, keys) -> torch.Tensor:
         """Remove keys ([*] int64) and free their rows; returns found ([*] bool). Erased keys
         leave through the same exit as evicted ones (``last_evicted_keys``, evict hooks)."""
-        keys = self._ids(keys, "keys")
+        keys, _ = agreed_input(self.engine, "erase", lambda: self._ids(keys, "keys"), lambda k: {})
         with self._lock:
             r, contents = self.engine.erase(keys.reshape(-1), evicted_contents=bool(self._evict_hooks))
             self._erased += r.evicted_keys.numel()
