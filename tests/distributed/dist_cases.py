@@ -23,6 +23,7 @@ import os
 import re
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -577,6 +578,18 @@ def failed_keys_table(worker: Worker, group) -> None:
         s = table.stats()
         check.true(f"step {step}: size {s['size']} > capacity {s['capacity']}", s["size"] <= s["capacity"])
         check.equal(f"step {step}: requested_capacity", s["requested_capacity"], capacity // W)
+    # check_mode="warn": the warning says the capacity is this rank's shard's.
+    warned_table = _shard(
+        dynemb.DynamicEmbeddingBag(D, capacity, mode="sum", optimizer=dynemb.optim.SGD(lr=0.1), check_mode="warn", bucket_capacity=8),
+        group,
+    )
+    fresh = mix64(torch.arange(90_000, 90_000 + 80 * W))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warned_table(fresh[r::W], torch.tensor([0])).sum().backward()
+    messages = [str(w.message) for w in caught if "could not be inserted" in str(w.message)]
+    check.true(f"insertion warnings without 'this rank's shard': {messages}", all("this rank's shard" in m for m in messages))
+    check.true("no rank warned about failed keys (the test needs some to)", any(all_gather(group, bool(messages))))
     check.done()
 
 

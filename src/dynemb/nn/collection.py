@@ -448,9 +448,12 @@ class _DynamicCollection(torch.nn.Module):
         for t, failed, total in failures:
             name = self.table_names[t]
             engine, s, _ = self._engine_of(name)
+            where = ""
+            if getattr(engine, "collective", False):
+                where = " of this rank's shard; the keys were refused by the shards that own them, which count them in their stats()"
             message = (
                 f"table {name!r}: {failed.numel()} of {total} keys could not be inserted: both their buckets hold only keys used "
-                f"in this batch or scored higher (capacity={engine.index.segment_capacity(s)}). Increase its capacity, or set "
+                f"in this batch or scored higher (capacity={engine.index.segment_capacity(s)}{where}). Increase its capacity, or set "
                 "check_mode='warn' or 'count'; failed keys get their initial value and are not trained."
             )
             if self.table_configs[t].check_mode is CheckMode.RAISE:

@@ -268,10 +268,13 @@ class DynamicTable(torch.nn.Module):
                 fn(evicted_keys, evicted)
         if failed.numel() == 0 or self.config.check_mode is CheckMode.COUNT:
             return
+        where = ""
+        if getattr(self.engine, "collective", False):
+            where = " of this rank's shard; the keys were refused by the shards that own them, which count them in their stats()"
         message = (
             f"{failed.numel()} of {total} keys could not be inserted: both their buckets hold "
             f"only keys used in this batch or scored higher (score_strategy='{self.index.strategy}', "
-            f"size={self.index.size()}, capacity={self.index.capacity()}). Increase capacity, or set "
+            f"size={self.index.size()}, capacity={self.index.capacity()}{where}). Increase capacity, or set "
             "check_mode='warn' or 'count' to continue; failed keys get their initial value and are "
             "not trained."
         )
