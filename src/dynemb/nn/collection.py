@@ -570,33 +570,10 @@ class _DynamicCollection(torch.nn.Module):
     def insert(self, table: str, keys, values: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
         """Assign rows to one table's keys ([N] distinct), inserting missing ones; ``values``
         [N, D] (embeddings) or [N, D+S] (whole rows). Returns found-after ([N] bool)."""
-        from dynemb.nn.module import agreed_input, agreed_insert, as_ids
+        from dynemb.nn.module import checked_insert
 
         engine, s, t = self._engine_of(table)
-
-        def check():
-            flat = as_ids(keys, "keys", engine.device).reshape(-1)
-            n = flat.numel()
-            widths = (engine.embedding_dim, engine.width)
-            if not isinstance(values, torch.Tensor) or values.dim() != 2 or values.shape[0] != n or values.shape[1] not in widths:
-                shape = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
-                raise ValueError(f"values.shape={shape}: must be [{n}, {widths[0]}] or [{n}, {widths[1]}]")
-            unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
-            if unique.numel() != n:
-                raise ValueError(f"keys has {n - unique.numel()} duplicate(s): insert assigns one value per key")
-            order = torch.empty_like(inverse).scatter_(0, inverse, torch.arange(n, device=engine.device))
-            given = None
-            if scores is not None:
-                given = as_ids(scores, "scores", engine.device).reshape(-1)
-                if given.numel() != n:
-                    raise ValueError(f"scores has {given.numel()} values for {n} keys")
-                given = given.index_select(0, order)
-            return unique, inverse, values.detach().to(device=engine.device, dtype=engine.dtype).index_select(0, order), given
-
-        (unique, inverse, ordered, given), peers = agreed_input(
-            engine, "insert", check, lambda c: {"table": table, "n": c[0].numel(), "width": c[2].shape[1], "scores": c[3] is not None}
-        )
-        values, given = agreed_insert(peers, ordered, given)
+        unique, inverse, _counts, values, given = checked_insert(engine, table, keys, values, scores)
         with self._lock, writable():
             segs = torch.full_like(unique, s)
             now = self._now()

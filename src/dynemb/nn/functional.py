@@ -169,6 +169,10 @@ class TableEngine:
     def device(self) -> torch.device:
         return self.config.device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.config.dtype
+
     def new_rows(self, keys: torch.Tensor) -> torch.Tensor:
         """Initial rows [n, D+S] of keys [n]: per-key embeddings and the optimizer's initial state."""
         return with_initial_state(self.initializer(keys), self.optimizer, self.width)

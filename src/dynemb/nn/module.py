@@ -110,6 +110,41 @@ def agreed_insert(peers: list[dict] | None, values: torch.Tensor, given: torch.T
     return values, given
 
 
+def checked_insert(engine, table: str | None, keys, values, scores, *, require_float: bool = False) -> tuple:
+    """``insert()``'s input, checked (and on a sharded engine agreed by every rank, see
+    :func:`agreed_input` / :func:`agreed_insert`): distinct keys [N], the inverse of the given
+    order [N], each key's count [N] (ones), values [N, D] or [N, D+S] and scores [N] or None,
+    in key order. Raises ValueError / TypeError naming the argument."""
+
+    def check():
+        flat = as_ids(keys, "keys", engine.device).reshape(-1)
+        n = flat.numel()
+        widths = (engine.embedding_dim, engine.width)
+        if not isinstance(values, torch.Tensor) or values.dim() != 2 or values.shape[0] != n or values.shape[1] not in widths:
+            shape = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
+            raise ValueError(f"values.shape={shape}: must be [{n}, {widths[0]}] or [{n}, {widths[1]}]")
+        if require_float and not values.is_floating_point():
+            raise TypeError(f"values.dtype={values.dtype}: must be a floating point dtype")
+        unique, inverse, counts = torch.unique(flat, sorted=True, return_inverse=True, return_counts=True)
+        if unique.numel() != n:
+            raise ValueError(f"keys has {n - unique.numel()} duplicate(s): insert assigns one value per key")
+        order = torch.empty_like(inverse).scatter_(0, inverse, torch.arange(n, device=engine.device))
+        given = None
+        if scores is not None:
+            given = as_ids(scores, "scores", engine.device).reshape(-1)
+            if given.numel() != n:
+                raise ValueError(f"scores has {given.numel()} values for {n} keys")
+            given = given.index_select(0, order)
+        ordered = values.detach().to(device=engine.device, dtype=engine.dtype).index_select(0, order)
+        return unique, inverse, counts, ordered, given
+
+    (unique, inverse, counts, ordered, given), peers = agreed_input(
+        engine, "insert", check, lambda c: {"table": table, "n": c[0].numel(), "width": c[3].shape[1], "scores": c[4] is not None}
+    )
+    ordered, given = agreed_insert(peers, ordered, given)
+    return unique, inverse, counts, ordered, given
+
+
 def load_own_entries(module, expected: list[str], load, state_dict, prefix, strict, missing_keys, unexpected_keys, error_msgs) -> None:
     """``_load_from_state_dict`` of a module whose state is entries of its own (no children):
     collect ``expected`` under ``prefix``, report missing / unexpected ones as torch does, and
@@ -476,36 +511,8 @@ class DynamicTable(torch.nn.Module):
         Returns:
             Tensor[bool]: [N] the key is in the table now (see check_mode for failures).
         """
-
-        def check():
-            flat = self._ids(keys, "keys").reshape(-1)
-            n = flat.numel()
-            width = (self.embedding_dim, self.engine.width)
-            if not isinstance(values, torch.Tensor) or values.dim() != 2 or values.shape[0] != n or values.shape[1] not in width:
-                shape = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
-                raise ValueError(f"values.shape={shape}: must be [{n}, {width[0]}] or [{n}, {width[1]}]")
-            if not values.is_floating_point():
-                raise TypeError(f"values.dtype={values.dtype}: must be a floating point dtype")
-            unique, inverse, counts = torch.unique(flat, sorted=True, return_inverse=True, return_counts=True)
-            if unique.numel() != n:
-                raise ValueError(f"keys has {n - unique.numel()} duplicate(s): insert assigns one value per key")
-            order = torch.empty_like(inverse)
-            order[inverse] = torch.arange(n, device=self.device)
-            given = None
-            if scores is not None:
-                s = self._ids(scores, "scores").reshape(-1)
-                if s.numel() != n:
-                    raise ValueError(f"scores has {s.numel()} values for {n} keys")
-                given = s.index_select(0, order)
-            ordered = values.detach().to(device=self.device, dtype=self.config.dtype).index_select(0, order)
-            return unique, inverse, counts, ordered, given
-
-        (unique, inverse, counts, values_, given), peers = agreed_input(
-            self.engine, "insert", check, lambda c: {"table": None, "n": c[0].numel(), "width": c[3].shape[1], "scores": c[4] is not None}
-        )
-        values_, given = agreed_insert(peers, values_, given)
+        unique, inverse, counts, values, given = checked_insert(self.engine, None, keys, values, scores, require_float=True)
         n = unique.numel()
-        values = values_
         with self._lock, writable():
             # A warm start bypasses admission: the caller decides which keys belong.
             r = self._resolve_train(unique, counts, scores=given, admit=False, init_rows=values.shape[1] != self.engine.width)
