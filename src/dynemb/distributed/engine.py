@@ -81,12 +81,20 @@ class _Sharded:
         (us, uk), inv, _ = unique_pairs(segs, keys)
         return uk, us, inv
 
+    def _routed(self, keys: torch.Tensor, segs: torch.Tensor | None):
+        """A Route for the caller's keys [U], and the keys (and segments) this rank owns."""
+        route = Route(self.comm, keys)
+        return route, route.out(keys), None if segs is None else route.out(segs)
+
+    @staticmethod
+    def _seg(segs: torch.Tensor | None) -> tuple:
+        """The segments argument of a local engine call: a group engine takes them, a table's not."""
+        return () if segs is None else (segs,)
+
     def _resolve(self, keys, segs, *, train, now, counts, insertable, scores, evicted_contents, init_rows):
         if insertable is not None:
             raise NotImplementedError("admission on a sharded table: the admission counters would be per rank (shard() refuses it)")
-        route = Route(self.comm, keys)
-        rkeys = route.out(keys)
-        rsegs = None if segs is None else route.out(segs)
+        route, rkeys, rsegs = self._routed(keys, segs)
         uk, us, inv = self._dedup(rkeys, rsegs)
         ucounts = None
         if train:
@@ -96,8 +104,7 @@ class _Sharded:
         if scores is not None:
             rscores = route.out(scores)
             uscores = torch.full_like(uk, torch.iinfo(torch.int64).min).scatter_reduce_(0, inv, rscores, reduce="amax")
-        seg_arg = () if us is None else (us,)
-        r = self.local.resolve(uk, *seg_arg, train=train, now=now, counts=ucounts, scores=uscores, evicted_contents=evicted_contents, init_rows=init_rows)
+        r = self.local.resolve(uk, *self._seg(us), train=train, now=now, counts=ucounts, scores=uscores, evicted_contents=evicted_contents, init_rows=init_rows)
         # Only the embedding columns travel: the asking rank never reads optimizer state.
         data = self.local.gather(r.rows)[:, : self.local.embedding_dim]
         flags = torch.stack([r.ok, r.found, r.inserted], 1).to(torch.uint8).index_select(0, inv)  # [R, 3]
@@ -109,11 +116,9 @@ class _Sharded:
         return r, placeholder, found, inserted, failed
 
     def _find(self, keys, segs):
-        route = Route(self.comm, keys)
-        rkeys = route.out(keys)
-        rsegs = None if segs is None else route.out(segs)
+        route, rkeys, rsegs = self._routed(keys, segs)
         uk, us, inv = self._dedup(rkeys, rsegs)
-        rows, found = self.local.find(uk) if us is None else self.local.find(uk, us)
+        rows, found = self.local.find(uk, *self._seg(us))
         data = route.back(self.local.gather(rows)[:, : self.local.embedding_dim].index_select(0, inv))
         found = route.back(found.to(torch.uint8).index_select(0, inv)).bool()
         self._rows_data = data
@@ -133,27 +138,19 @@ class _Sharded:
     def _write_rows(self, keys, segs, values) -> None:
         """``insert``'s write: each placed key's values [N, *] to its owner, which overwrites the
         key's row (a key given by several ranks gets one of their values)."""
-        route = Route(self.comm, keys)
-        rkeys = route.out(keys)
-        rsegs = None if segs is None else route.out(segs)
+        route, rkeys, rsegs = self._routed(keys, segs)
         rvalues = route.out(values)
-        rows, found = self.local.find(rkeys) if rsegs is None else self.local.find(rkeys, rsegs)
+        rows, found = self.local.find(rkeys, *self._seg(rsegs))
         sel = found.nonzero().squeeze(1)
-        if rsegs is None:
-            self.local.write_rows(rkeys.index_select(0, sel), rows.index_select(0, sel), rvalues.index_select(0, sel))
-        else:
-            self.local.write_rows(rkeys.index_select(0, sel), rsegs.index_select(0, sel), rows.index_select(0, sel), rvalues.index_select(0, sel))
+        placed_segs = self._seg(None if rsegs is None else rsegs.index_select(0, sel))
+        self.local.write_rows(rkeys.index_select(0, sel), *placed_segs, rows.index_select(0, sel), rvalues.index_select(0, sel))
 
     def _erase(self, keys, segs, evicted_contents: bool):
         """Each key to its owner, which erases it (and reports it: evict hooks and
         ``last_evicted_keys`` of the owning rank, as for evictions); ``found`` [N] comes back to
         the rank that asked."""
-        route = Route(self.comm, keys)
-        rkeys = route.out(keys)
-        rsegs = None if segs is None else route.out(segs)
-        r, contents = (
-            self.local.erase(rkeys, evicted_contents=evicted_contents) if rsegs is None else self.local.erase(rkeys, rsegs, evicted_contents=evicted_contents)
-        )
+        route, rkeys, rsegs = self._routed(keys, segs)
+        r, contents = self.local.erase(rkeys, *self._seg(rsegs), evicted_contents=evicted_contents)
         found = route.back(r.found.to(torch.uint8)).bool()
         return dataclasses.replace(r, found=found), contents
 
@@ -163,9 +160,7 @@ class _Sharded:
         if keep.numel() != keys.numel():
             keys, grads = keys.index_select(0, keep), grads.index_select(0, keep)
             segs = None if segs is None else segs.index_select(0, keep)
-        route = Route(self.comm, keys)
-        rkeys = route.out(keys)
-        rsegs = None if segs is None else route.out(segs)
+        route, rkeys, rsegs = self._routed(keys, segs)
         rgrads = route.out(grads)
         uk, us, inv = self._dedup(rkeys, rsegs)
         gsum = grads.new_zeros((uk.numel(), grads.shape[1])).index_add_(0, inv, rgrads)
@@ -178,7 +173,7 @@ class _Sharded:
                 raise FloatingPointError(
                     "non-finite gradient for keys owned by another rank (it names them): no row of this batch was updated on any rank (nonfinite_grads='raise')"
                 )
-        found_rows, _ = self.local.find(uk) if us is None else self.local.find(uk, us)
+        found_rows, _ = self.local.find(uk, *self._seg(us))
         if us is None:
             return self.local.apply_gradients(uk, found_rows, gsum, nonfinite=nonfinite)
         return self.local.apply_gradients(uk, us, found_rows, gsum, nonfinite=nonfinite, stepped=stepped)
