@@ -174,7 +174,7 @@ class _Group:
 class _Batch:
     """Validated input: per feature (collection order) its values [N_f], lengths [B] and weights."""
 
-    def __init__(self, values: list[torch.Tensor], lengths: list[torch.Tensor], weights: list[torch.Tensor | None], batch: int, stacked=None):
+    def __init__(self, values: list[torch.Tensor], lengths: list[torch.Tensor], weights: list[torch.Tensor | None], batch: int, stacked: torch.Tensor):
         self.values, self.lengths, self.weights, self.batch = values, lengths, weights, batch
         self.stacked = stacked  # lengths [F, B]
 
