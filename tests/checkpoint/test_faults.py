@@ -234,7 +234,9 @@ def _check_unsharded(root: Path, op: str, completed: bool) -> None:
 def forked():
     """A forkserver context whose server has imported this module (torch and dynemb) once."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
+    # "__main__" too: a child then finds pytest's main module imported (when pytest runs as a
+    # script) instead of importing it again.
+    ctx.set_forkserver_preload(["__main__", __name__])
     # Python 3.11's forkserver drops the sys.path it is given: the test folders go in its
     # PYTHONPATH while it starts, or the preload fails silently and every child imports torch.
     here = Path(__file__).resolve().parent
