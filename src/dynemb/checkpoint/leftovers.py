@@ -146,14 +146,14 @@ def _dead(found: re.Match, entry: os.DirEntry, now: float) -> bool:
     return now - _last_activity(Path(entry.path)) > FOREIGN_AGE_S
 
 
-def sweep(directory: str | os.PathLike, now: float | None = None) -> list[Path]:
+def sweep(directory: str | os.PathLike) -> list[Path]:
     """Remove the temporary directories of dead writers in ``directory``; returns those removed.
 
     Only directories named and filled like a Writer's are considered (see the module doc); a
     writer that may be alive keeps its directory. Never raises: a directory that cannot be read
     or removed is left as it is.
     """
-    now = time.time() if now is None else now
+    now = time.time()
     removed = []
     try:
         entries = list(os.scandir(directory))
