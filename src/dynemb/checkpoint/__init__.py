@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from dynemb._version import __version__
 from dynemb.checkpoint import files as _files
+from dynemb.checkpoint import leftovers
 from dynemb.checkpoint.tables import DTYPE_NAMES, DTYPES, Entry, config_json, entries, optimizer_json
 from dynemb.errors import CheckpointError
 from dynemb.nn.admission import FrequencyAdmission
@@ -843,6 +844,8 @@ def load(
     """
     if on_overflow not in ("raise", "evict"):
         raise ValueError(f"on_overflow={on_overflow!r}: must be 'raise' or 'evict'")
+    # Killed saves' temporary directories next to the checkpoint go (only those of dead writers).
+    leftovers.sweep(Path(path).parent)
     chain = chain_of(path)
     es = entries(model)
     comm = _comm_of(es)

@@ -20,6 +20,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 
+from dynemb.checkpoint import leftovers
 from dynemb.errors import CheckpointError
 
 FORMAT = "dynemb-checkpoint"
@@ -116,7 +117,10 @@ class Writer:
         if (self.path.exists() or _aside(self.path)) and not overwrite:
             raise FileExistsError(f"{self.path}: exists; pass overwrite=True to replace it, or save to a new path")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = self.path.parent / f".{self.path.name}.tmp-{new_id()[:12]}"
+        # Killed saves' directories go first; the new one is named after this process, so that
+        # no sweep removes it while this process lives (leftovers.py).
+        leftovers.sweep(self.path.parent)
+        self.tmp = leftovers.tmp_dir(self.path)
         self.tmp.mkdir()
 
     def write_tensors(self, relative: str, tensors: dict[str, torch.Tensor], role: str, rows: int | None = None) -> dict:
