@@ -774,6 +774,58 @@ def insert_agreement(worker: Worker, group) -> None:
     check.done()
 
 
+def nonfinite_rows(worker: Worker, group) -> None:
+    """Non-finite rows on a sharded table: a NaN insert on one rank raises on every rank and
+    changes nothing; an update that would overflow a row (finite gradient 3e38, SGD lr 10) is
+    skipped and counted by its owner ('skip'), or raises on every rank before any rank writes
+    ('raise'); the shards match the unsharded table throughout."""
+    W, r = group.size(), group.rank()
+    check = Checks(r)
+    big_key = KEYS[:1]
+    for policy in ("skip", "raise"):
+
+        def make():
+            return dynemb.DynamicEmbedding(D, CAPACITY, optimizer=dynemb.optim.SGD(lr=10.0), nonfinite_grads=policy, score_strategy="step")
+
+        table, ref = _shard(make(), group), make()
+        values = torch.ones(2, D)
+        if r == W - 1:
+            values[1, 0] = float("nan")
+        try:
+            table.insert(KEYS[1:3] + 10 * r, values)
+            check.true(f"{policy}: NaN insert on rank {W - 1} did not raise", False)
+        except ValueError as e:
+            check.true(f"{policy}: NaN insert error {e}", ("NaN or inf" if r == W - 1 else "bad input on another rank") in str(e))
+        check.equal(f"{policy}: keys after the refused insert", len(table), 0)
+        rows = torch.full((1, D), 3e38)
+        table.insert(big_key if r == 0 else big_key[:0], rows if r == 0 else rows[:0])
+        ref.insert(big_key, rows)
+        ids = KEYS[:4]
+        # Every rank looks up the same keys; rank 0 alone gives big_key the huge gradient.
+        scale = torch.ones(4, 1)
+        if r == 0:
+            scale[0] = 3e38
+        ref_scale = torch.ones(4, 1) * W
+        ref_scale[0] = 3e38 + (W - 1)
+        raised = []
+        for name, module, s in (("sharded", table, scale), ("unsharded", ref, ref_scale)):
+            try:
+                (module(ids) * s).sum().backward()
+            except FloatingPointError as e:
+                raised.append((name, str(e)))
+        if policy == "raise":
+            check.equal("raise: both raised", [n for n, _ in raised], ["sharded", "unsharded"])
+            owner = int(dynemb.distributed.owner_of(big_key, W))
+            want = "non-finite" if r == owner else "owned by another rank"
+            check.true(f"raise: rank {r} error {raised[:1]} does not say {want!r}", bool(raised) and want in raised[0][1])
+        else:
+            check.equal("skip: nothing raised", raised, [])
+            counted = sum(all_gather(group, table.stats()["nonfinite_grads"]))
+            check.equal("skip: keys skipped over all ranks", counted, ref.stats()["nonfinite_grads"])
+        check_shards(check, group, f"{policy}: table", table.export(), ref.export())
+    check.done()
+
+
 # -- a model holding several dynemb modules ------------------------------------------------------
 
 
@@ -843,6 +895,7 @@ def _cases() -> dict[str, Callable]:
     cases["insert-erase-table"] = insert_erase_table
     cases["insert-erase-collection"] = insert_erase_collection
     cases["insert-agreement"] = insert_agreement
+    cases["nonfinite-rows"] = nonfinite_rows
     # Last: it uses the default group, which a failed case might leave busy.
     cases["nested-module-default-group"] = nested_module
     return cases

@@ -28,7 +28,7 @@ from dynemb.checkpoint import leftovers
 from dynemb.checkpoint.tables import DTYPE_NAMES, DTYPES, Entry, config_json, entries, optimizer_json
 from dynemb.errors import CheckpointError
 from dynemb.nn.admission import FrequencyAdmission
-from dynemb.nn.functional import TableEngine
+from dynemb.nn.functional import TableEngine, warn_nonfinite, warn_nonfinite_keys
 from dynemb.nn.group import GroupEngine
 from dynemb.table.index import unique_pairs
 from dynemb.workspace import writable
@@ -84,6 +84,7 @@ def _write_table(writer: _files.Writer, e: Entry, chunk_rows: int, *, delta: boo
     tag = "" if rank is None else f"r{rank:05d}-"
     dirty = e.changes().dirty if delta else None
     layout_slots = []
+    nonfinite: list[torch.Tensor] = []
     stored = getattr(engine.store, "data", None)
     # Rows are gathered into a ring of reused blocks (fresh ones would cost a page fault per 4
     # KiB, more than the gather itself): a block is refilled once its file is hashed, and the
@@ -110,6 +111,9 @@ def _write_table(writer: _files.Writer, e: Entry, chunk_rows: int, *, delta: boo
         else:
             data = engine.store.gather(rows)
             emb, opt = data[:, :D], data[:, D:]
+        # Non-finite rows (nonfinite_grads='apply') are written as they are; load reads them.
+        if not (bool(torch.isfinite(emb.sum())) and bool(torch.isfinite(opt.sum()))):
+            nonfinite.append(keys[~(torch.isfinite(emb).all(1) & torch.isfinite(opt).all(1))])
         entry = writer.write_tensors(
             f"{folder}/rows-{tag}{k:06d}.safetensors",
             {"keys": keys, "embeddings": emb, "optimizer_state": opt, "scores": scores},
@@ -124,6 +128,10 @@ def _write_table(writer: _files.Writer, e: Entry, chunk_rows: int, *, delta: boo
             layout_slots.append(slots)
         if bar is not None:
             bar.update(keys.numel())
+    # (A sum of large finite values can overflow: only keys the exact check found count.)
+    nonfinite_keys = torch.cat(nonfinite) if nonfinite else None
+    if nonfinite_keys is not None and nonfinite_keys.numel():
+        warn_nonfinite_keys(nonfinite_keys, f"saving table {e.name!r}")
     if delta:
         left, segs = e.changes().left_keys()
         if segs is not None:
@@ -400,10 +408,6 @@ def _read_table(chain: list[tuple[Path, dict]], name: str, check_hash: bool = Fa
                     check_hash=check_hash,
                 )
                 new_k.append(t["keys"])
-                for part in (t["embeddings"], t["optimizer_state"]):
-                    # A sum is finite when every value is (overflow of finite values is checked exactly).
-                    if not (bool(torch.isfinite(part.sum())) or bool(torch.isfinite(part).all())):
-                        raise CheckpointError(f"table {name!r}: rows hold non-finite values", directory / f["path"])
                 if block is not None:
                     block[filled : filled + n, :D] = t["embeddings"]
                     block[filled : filled + n, D:] = t["optimizer_state"]
@@ -428,6 +432,8 @@ def _read_table(chain: list[tuple[Path, dict]], name: str, check_hash: bool = Fa
             keys = torch.cat([keys, add_k])
             values = torch.cat([values, *new_v])
             scores = torch.cat([scores, *new_s])
+    # Non-finite rows (written by nonfinite_grads='apply') load as they were saved, with a warning.
+    warn_nonfinite(keys, values, f"table {name!r} of {chain[-1][0]}")
     last_dir, last = chain[-1]
     entry = last["tables"][name]
     extra = {}

@@ -174,9 +174,11 @@ class _Sharded:
                     "non-finite gradient for keys owned by another rank (it names them): no row of this batch was updated on any rank (nonfinite_grads='raise')"
                 )
         found_rows, _ = self.local.find(uk, *self._seg(us))
-        if us is None:
-            return self.local.apply_gradients(uk, found_rows, gsum, nonfinite=nonfinite)
-        return self.local.apply_gradients(uk, us, found_rows, gsum, nonfinite=nonfinite, stepped=stepped)
+        kw = {"nonfinite": nonfinite} if us is None else {"nonfinite": nonfinite, "stepped": stepped}
+        if nonfinite is NonFiniteGrads.RAISE:
+            # An update that would overflow a row raises on every rank before any rank writes.
+            kw["agree_overflow"] = lambda bad: bool(self.comm.all_reduce_max(int(bad)))
+        return self.local.apply_gradients(uk, *self._seg(us), found_rows, gsum, **kw)
 
     def _any_pending(self, n: int) -> bool:
         return bool(self.comm.all_reduce_max(int(n)))

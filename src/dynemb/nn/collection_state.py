@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from dynemb.nn.functional import warn_nonfinite
 from dynemb.nn.group import GroupEngine
 from dynemb.nn.state import _tensor
 from dynemb.workspace import writable
@@ -95,8 +96,8 @@ def load_collection_state(collection, state: dict[str, torch.Tensor]) -> None:
             raise ValueError(f"state entries '{name}.embeddings' / '{name}.optimizer_state' must be floating point")
         if K and torch.unique(keys).numel() != K:
             raise ValueError(f"state entry '{name}.keys' holds duplicate keys")
-        if not (torch.isfinite(emb).all() and torch.isfinite(opt).all()):
-            raise ValueError(f"state entries '{name}.embeddings' / '{name}.optimizer_state' hold non-finite values")
+        # Non-finite rows (nonfinite_grads='apply') load as they were saved, with a warning.
+        warn_nonfinite(keys, torch.cat([emb, opt], 1), f"state entries '{name}.embeddings' / '{name}.optimizer_state'")
         optimizer_step = int(_tensor(state, f"{name}.optimizer_step", torch.int64, ()))
         counters = _tensor(state, f"{name}.counters", torch.int64, (2,)).tolist()
         generator = _tensor(state, f"{name}.generator_state", torch.uint8, (None,))

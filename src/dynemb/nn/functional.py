@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -74,6 +75,36 @@ def nonfinite_rows(grads: torch.Tensor, keep: torch.Tensor) -> torch.Tensor | No
         return None
     bad = ~torch.isfinite(grads).all(1) & keep
     return bad if bool(bad.any()) else None
+
+
+def warn_nonfinite(keys: torch.Tensor, values: torch.Tensor, what: str) -> None:
+    """Warn when rows ``values`` [K, W] of ``keys`` [K] hold NaN or inf; ``what`` names them
+    (a table being saved or loaded). Such rows are kept as they are: whatever a save wrote, a
+    load reads (docs/design/0020-nonfinite-rows.md)."""
+    bad = nonfinite_rows(values, torch.ones(values.shape[0], dtype=torch.bool, device=values.device))
+    if bad is not None:
+        warn_nonfinite_keys(keys[bad], what)
+
+
+def warn_nonfinite_keys(bad: torch.Tensor, what: str) -> None:
+    """The warning of :func:`warn_nonfinite` for the keys ``bad`` [n] whose rows are non-finite."""
+    shown = bad[:8].tolist()
+    warnings.warn(
+        f"{what}: the rows of {bad.numel()} key(s) {shown}{' ...' if bad.numel() > 8 else ''} hold NaN or inf; "
+        "they are kept as they are (erase or insert them to replace them)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def nonfinite_update_message(keys: torch.Tensor, what: str, tables: list[str] | None = None) -> str:
+    """The error of ``nonfinite_grads='raise'`` when an update would make rows non-finite."""
+    shown = keys[:8].tolist()
+    where = "" if tables is None else f" of tables {tables}"
+    return (
+        f"the update would make the rows of {keys.numel()} {what} {shown}{' ...' if keys.numel() > 8 else ''}{where} non-finite "
+        "(finite gradients, overflowing result): no row of this batch was updated (nonfinite_grads='raise')"
+    )
 
 
 def leaving_contents(store: RowStore, embedding_dim: int, result: IndexResult) -> dict[str, torch.Tensor]:
@@ -265,6 +296,7 @@ class TableEngine:
         data: torch.Tensor | None = None,
         version: int | None = None,
         nonfinite: NonFiniteGrads = NonFiniteGrads.SKIP,
+        agree_overflow: Callable[[bool], bool] | None = None,
     ) -> int:
         """One optimizer step on the rows of keys, with one gradient per key.
 
@@ -275,9 +307,14 @@ class TableEngine:
             data (Tensor | None): [U, D+S] the rows as read at ``version`` (saves a gather).
             version: the engine version when ``rows`` / ``data`` were read; if the table changed
                 since, keys are found again and keys that left meanwhile are skipped.
-            nonfinite: what to do with keys whose gradient is not finite.
+            nonfinite: what to do with keys whose gradient is not finite, or whose updated row
+                (embedding or optimizer state) would not be: skip them, raise before any row
+                changes, or apply.
+            agree_overflow: with ``nonfinite`` RAISE, called with whether this call's update
+                overflows, before any row is written; returns whether any party's does (a
+                sharded table's ranks raise together).
         Returns:
-            Number of keys skipped for a non-finite gradient.
+            Number of keys skipped for a non-finite gradient or update.
         """
         if self.optimizer is None:
             return 0
@@ -305,13 +342,29 @@ class TableEngine:
                 # the keys again and skip those evicted or erased meanwhile.
                 rows, found = self.index.find(keys)
                 sel = found.nonzero().squeeze(1)
-                rows, grads = rows.index_select(0, sel), grads.index_select(0, sel)
+                keys, rows, grads = keys.index_select(0, sel), rows.index_select(0, sel), grads.index_select(0, sel)
                 data = None
             if data is None:
                 data = self.store.gather(rows)
-            self.optimizer_step += 1
             D = self.embedding_dim
-            self.optimizer.update(data[:, :D], data[:, D:], grads, self.optimizer_step)
+            self.optimizer.update(data[:, :D], data[:, D:], grads, self.optimizer_step + 1)
+            overflow = None if nonfinite is NonFiniteGrads.APPLY else nonfinite_rows(data, torch.ones_like(rows, dtype=torch.bool))
+            if nonfinite is NonFiniteGrads.RAISE and agree_overflow is not None and agree_overflow(overflow is not None) and overflow is None:
+                raise FloatingPointError(
+                    "the update would make rows owned by another rank non-finite (that rank names the keys): "
+                    "no row of this batch was updated on any rank (nonfinite_grads='raise')"
+                )
+            if overflow is not None:
+                # Finite gradients, non-finite result (a row or its optimizer state overflowed):
+                # the same policy as a non-finite gradient; nothing is written before a raise.
+                over = keys[overflow]
+                if nonfinite is NonFiniteGrads.RAISE:
+                    raise FloatingPointError(nonfinite_update_message(over, "key(s)"))
+                skipped += over.numel()
+                self.nonfinite_grads += over.numel()
+                sel = (~overflow).nonzero().squeeze(1)
+                rows, data = rows.index_select(0, sel), data.index_select(0, sel)
+            self.optimizer_step += 1
             self.store.scatter(rows, data)
             if self.changes is not None:
                 self.changes.touch(rows)

@@ -14,12 +14,13 @@ clock as an argument and holds no lock (docs/design/0013-collections.md).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
 from dynemb.config import TableConfig
 from dynemb.nn.changes import ChangeLog
-from dynemb.nn.functional import _device_memory, leaving_contents, nonfinite_rows, with_initial_state
+from dynemb.nn.functional import _device_memory, leaving_contents, nonfinite_rows, nonfinite_update_message, with_initial_state
 from dynemb.optim.base import RowOptimizer
 from dynemb.storage.device_store import DeviceRowStore
 from dynemb.storage.initializers import RowInitializer
@@ -213,6 +214,7 @@ class GroupEngine:
         version: int | None = None,
         nonfinite: NonFiniteGrads = NonFiniteGrads.SKIP,
         stepped: list[int] | None = None,
+        agree_overflow: Callable[[bool], bool] | None = None,
     ) -> int:
         """One optimizer step of every table in ``stepped`` (default: all) on the rows of pairs.
 
@@ -223,10 +225,11 @@ class GroupEngine:
             data (Tensor | None): [U, D+S] the rows as read at ``version``.
             version: the engine version when ``rows`` / ``data`` were read (keys are found again
                 if the tables changed since).
-            nonfinite: what to do with pairs whose gradient is not finite.
+            nonfinite: what to do with pairs whose gradient, or updated row, is not finite.
             stepped: segments whose step count advances (each table steps once per call).
+            agree_overflow: as :meth:`dynemb.nn.functional.TableEngine.apply_gradients`.
         Returns:
-            Number of pairs skipped for a non-finite gradient.
+            Number of pairs skipped for a non-finite gradient or update.
         """
         if self.optimizer is None:
             return 0
@@ -253,25 +256,46 @@ class GroupEngine:
             if version is not None and version != self.version:
                 rows, found = self.index.find(keys, segments=segments)
                 sel = found.nonzero().squeeze(1)
-                segments, rows, grads = segments.index_select(0, sel), rows.index_select(0, sel), grads.index_select(0, sel)
+                keys, segments, rows, grads = (t.index_select(0, sel) for t in (keys, segments, rows, grads))
                 data = None
             if data is None:
                 data = self.store.gather(rows)
-            for s in range(self.num_tables) if stepped is None else stepped:
-                self.optimizer_steps[s] += 1
+            stepping = range(self.num_tables) if stepped is None else stepped
+            new_steps = list(self.optimizer_steps)
+            for s in stepping:
+                new_steps[s] += 1
             D = self.embedding_dim
-            steps = {self.optimizer_steps[s] for s in range(self.num_tables)}
+            steps = set(new_steps)
             if len(steps) == 1:
                 self.optimizer.update(data[:, :D], data[:, D:], grads, steps.pop())
             else:
                 # Tables at different step counts (restored apart): one update per count.
-                step_of = torch.tensor(self.optimizer_steps, device=self.device).index_select(0, segments)
+                step_of = torch.tensor(new_steps, device=self.device).index_select(0, segments)
                 for step in sorted(steps):
                     sel = (step_of == step).nonzero().squeeze(1)
                     if sel.numel():
                         part = data.index_select(0, sel)
                         self.optimizer.update(part[:, :D], part[:, D:], grads.index_select(0, sel), step)
                         data.index_copy_(0, sel, part)
+            overflow = None if nonfinite is NonFiniteGrads.APPLY else nonfinite_rows(data, torch.ones_like(rows, dtype=torch.bool))
+            if nonfinite is NonFiniteGrads.RAISE and agree_overflow is not None and agree_overflow(overflow is not None) and overflow is None:
+                raise FloatingPointError(
+                    "the update would make rows owned by another rank non-finite (that rank names the keys): "
+                    "no row of this batch was updated on any rank (nonfinite_grads='raise')"
+                )
+            if overflow is not None:
+                # Finite gradients, non-finite result: the policy of a non-finite gradient
+                # (nothing written before a raise).
+                if nonfinite is NonFiniteGrads.RAISE:
+                    names = sorted({self.configs[s].name for s in segments[overflow].tolist()})
+                    raise FloatingPointError(nonfinite_update_message(keys[overflow], "key(s)", names))
+                per_table = torch.bincount(segments[overflow], minlength=self.num_tables).tolist()
+                for s, n in enumerate(per_table):
+                    self.nonfinite_grads[s] += n
+                skipped += int(overflow.sum())
+                sel = (~overflow).nonzero().squeeze(1)
+                rows, data = rows.index_select(0, sel), data.index_select(0, sel)
+            self.optimizer_steps[:] = new_steps
             self.store.scatter(rows, data)
             if self.changes is not None:
                 self.changes.touch(rows)

@@ -136,6 +136,14 @@ def checked_insert(engine, table: str | None, keys, values, scores, *, require_f
                 raise ValueError(f"scores has {given.numel()} values for {n} keys")
             given = given.index_select(0, order)
         ordered = values.detach().to(device=engine.device, dtype=engine.dtype).index_select(0, order)
+        # Checked in the table's dtype: a float64 value beyond its range arrives as inf.
+        bad = ~torch.isfinite(ordered).all(1) if ordered.is_floating_point() else None
+        if bad is not None and bool(bad.any()):
+            shown = unique[bad][:8].tolist()
+            raise ValueError(
+                f"values: the rows of {int(bad.sum())} key(s) {shown}{' ...' if int(bad.sum()) > 8 else ''} hold NaN or inf "
+                f"(in the table's dtype {engine.dtype}); insert refuses non-finite rows and changed nothing"
+            )
         return unique, inverse, counts, ordered, given
 
     (unique, inverse, counts, ordered, given), peers = agreed_input(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from dynemb.nn.functional import TableEngine
+from dynemb.nn.functional import TableEngine, warn_nonfinite
 from dynemb.workspace import writable
 
 _SCALARS = ("step", "optimizer_step", "last_timestamp")
@@ -57,8 +57,8 @@ def load_table_state(table, state: dict[str, torch.Tensor]) -> None:
         raise ValueError(f"state entry 'generator_state' has {generator_state.numel()} bytes, not a {table.device.type} generator state")
     if K and torch.unique(keys).numel() != K:
         raise ValueError(f"state entry 'keys' holds {K - torch.unique(keys).numel()} duplicate key(s)")
-    if not (torch.isfinite(embeddings).all() and torch.isfinite(optimizer_state).all()):
-        raise ValueError("state entries 'embeddings' / 'optimizer_state' hold non-finite values")
+    # Non-finite rows (nonfinite_grads='apply') load as they were saved, with a warning.
+    warn_nonfinite(keys, torch.cat([embeddings, optimizer_state], 1), "state entries 'embeddings' / 'optimizer_state'")
     index_state = {name[len("index.") :]: value for name, value in state.items() if name.startswith("index.")}
     index_state.update(keys=keys, scores=scores)
     admission_state = {name[len("admission.") :]: value for name, value in state.items() if name.startswith("admission.")}
