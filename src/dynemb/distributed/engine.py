@@ -21,7 +21,7 @@ import dataclasses
 import torch
 
 from dynemb.distributed.comm import Comm, owner_of
-from dynemb.nn.functional import Resolved, nonfinite_rows
+from dynemb.nn.functional import Resolved
 from dynemb.nn.group import GroupResolved
 from dynemb.table.index import unique_pairs
 from dynemb.types import NonFiniteGrads
@@ -164,20 +164,13 @@ class _Sharded:
         rgrads = route.out(grads)
         uk, us, inv = self._dedup(rkeys, rsegs)
         gsum = grads.new_zeros((uk.numel(), grads.shape[1])).index_add_(0, inv, rgrads)
-        if nonfinite is NonFiniteGrads.RAISE:
-            # Every rank must raise together (a rank that raised alone would leave the others
-            # waiting in the next collective): agree first, then the owner of the bad keys
-            # raises with their names and the others point at it.
-            bad = nonfinite_rows(gsum, torch.ones_like(uk, dtype=torch.bool)) is not None
-            if self.comm.all_reduce_max(int(bad)) and not bad:
-                raise FloatingPointError(
-                    "non-finite gradient for keys owned by another rank (it names them): no row of this batch was updated on any rank (nonfinite_grads='raise')"
-                )
         found_rows, _ = self.local.find(uk, *self._seg(us))
         kw = {"nonfinite": nonfinite} if us is None else {"nonfinite": nonfinite, "stepped": stepped}
         if nonfinite is NonFiniteGrads.RAISE:
-            # An update that would overflow a row raises on every rank before any rank writes.
-            kw["agree_overflow"] = lambda bad: bool(self.comm.all_reduce_max(int(bad)))
+            # Every rank must raise together (a rank that raised alone would leave the others
+            # waiting in the next collective): the owners screen their updated rows, all agree
+            # (one all-reduce) before any writes, and the owner of the bad keys names them.
+            kw["agree"] = lambda bad: bool(self.comm.all_reduce_max(int(bad)))
         return self.local.apply_gradients(uk, *self._seg(us), found_rows, gsum, **kw)
 
     def _any_pending(self, n: int) -> bool:

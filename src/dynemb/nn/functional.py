@@ -64,16 +64,16 @@ class Resolved:
         return self.rows >= 0
 
 
-def nonfinite_rows(grads: torch.Tensor, keep: torch.Tensor) -> torch.Tensor | None:
-    """Rows [U] (among ``keep``) whose gradient [U, D] holds NaN or inf, or None if there are none.
+def nonfinite_rows(values: torch.Tensor) -> torch.Tensor | None:
+    """Rows [K] of ``values`` [K, W] holding NaN or inf, or None if there are none.
 
-    The sum is finite whenever every gradient is (a sum of finite values only overflows near
-    float max, and then the exact check finds nothing): one reduction, no [U, D] temporary, and
-    one host sync because the caller's policy must know.
+    The sum is finite whenever every value is (a sum of finite values only overflows near
+    float max, and then the exact check finds nothing): one reduction, no [K, W] temporary, and
+    one host sync because the caller must know.
     """
-    if bool(torch.isfinite(grads.sum())):
+    if bool(torch.isfinite(values.sum())):
         return None
-    bad = ~torch.isfinite(grads).all(1) & keep
+    bad = ~torch.isfinite(values).all(1)
     return bad if bool(bad.any()) else None
 
 
@@ -81,7 +81,7 @@ def warn_nonfinite(keys: torch.Tensor, values: torch.Tensor, what: str) -> None:
     """Warn when rows ``values`` [K, W] of ``keys`` [K] hold NaN or inf; ``what`` names them
     (a table being saved or loaded). Such rows are kept as they are: whatever a save wrote, a
     load reads (docs/design/0020-nonfinite-rows.md)."""
-    bad = nonfinite_rows(values, torch.ones(values.shape[0], dtype=torch.bool, device=values.device))
+    bad = nonfinite_rows(values)
     if bad is not None:
         warn_nonfinite_keys(keys[bad], what)
 
@@ -97,14 +97,63 @@ def warn_nonfinite_keys(bad: torch.Tensor, what: str) -> None:
     )
 
 
-def nonfinite_update_message(keys: torch.Tensor, what: str, tables: list[str] | None = None) -> str:
-    """The error of ``nonfinite_grads='raise'`` when an update would make rows non-finite."""
-    shown = keys[:8].tolist()
-    where = "" if tables is None else f" of tables {tables}"
-    return (
-        f"the update would make the rows of {keys.numel()} {what} {shown}{' ...' if keys.numel() > 8 else ''}{where} non-finite "
-        "(finite gradients, overflowing result): no row of this batch was updated (nonfinite_grads='raise')"
-    )
+def _shown(keys: torch.Tensor) -> str:
+    return f"{keys.numel()} key(s) {keys[:8].tolist()}{' ...' if keys.numel() > 8 else ''}"
+
+
+def screen_update(
+    keys: torch.Tensor,
+    grads: torch.Tensor,
+    data: torch.Tensor,
+    policy: NonFiniteGrads,
+    *,
+    agree: Callable[[bool], bool] | None = None,
+    tables: Callable[[torch.Tensor], list[str]] | None = None,
+) -> torch.Tensor | None:
+    """The ``nonfinite_grads`` policy on one update, checked after the optimizer updated ``data``
+    (a gathered copy, not yet written back): a row is bad when its gradient or its updated row
+    (embedding or optimizer state) holds NaN or inf (docs/design/0020-nonfinite-rows.md).
+
+    Args:
+        keys (Tensor[int64]): [U] keys of the rows (named by the error).
+        grads (Tensor): [U, D] their gradients.
+        data (Tensor): [U, D+S] their rows after the update.
+        policy: ``apply``: no check, None. ``skip``: the bad rows, or None. ``raise``:
+            FloatingPointError naming the keys when any row is bad (nothing was written yet).
+        agree: a sharded table's ranks under ``raise``: called with whether this rank found a
+            bad row, returns whether any rank did, so that every rank raises together.
+        tables: names of the tables of the bad rows (a collection group), for the error.
+    Returns:
+        Tensor[bool] [U] of the rows not to write, or None when all may be written.
+    """
+    if policy is NonFiniteGrads.APPLY:
+        return None
+    # One reduction over gradient and result and one host sync, the sync the gradient check
+    # alone made before: the sum is finite whenever every value is (finite values whose sum
+    # overflows send it to the exact check, which then finds nothing).
+    bad = grad_bad = None
+    if not bool(torch.isfinite(grads.sum() + data.sum())):
+        grad_bad = ~torch.isfinite(grads).all(1)
+        bad = grad_bad | ~torch.isfinite(data).all(1)
+        bad = bad if bool(bad.any()) else None
+    if policy is NonFiniteGrads.RAISE:
+        if agree is not None and agree(bad is not None) and bad is None:
+            raise FloatingPointError(
+                "non-finite gradient or update for keys owned by another rank (it names them): "
+                "no row of this batch was updated on any rank (nonfinite_grads='raise')"
+            )
+        if bad is not None:
+            parts = []
+            if bool((bad & grad_bad).any()):
+                parts.append(f"non-finite gradient for {_shown(keys[bad & grad_bad])}")
+            if bool((bad & ~grad_bad).any()):
+                parts.append(
+                    f"the update would make the rows of {_shown(keys[bad & ~grad_bad])} non-finite "
+                    "(finite gradients: the row or its optimizer state overflowed, or already held NaN or inf)"
+                )
+            where = "" if tables is None else f" of tables {tables(bad)}"
+            raise FloatingPointError(f"{' and '.join(parts)}{where}: no row of this batch was updated (nonfinite_grads='raise')")
+    return bad
 
 
 def leaving_contents(store: RowStore, embedding_dim: int, result: IndexResult) -> dict[str, torch.Tensor]:
@@ -296,7 +345,7 @@ class TableEngine:
         data: torch.Tensor | None = None,
         version: int | None = None,
         nonfinite: NonFiniteGrads = NonFiniteGrads.SKIP,
-        agree_overflow: Callable[[bool], bool] | None = None,
+        agree: Callable[[bool], bool] | None = None,
     ) -> int:
         """One optimizer step on the rows of keys, with one gradient per key.
 
@@ -307,12 +356,10 @@ class TableEngine:
             data (Tensor | None): [U, D+S] the rows as read at ``version`` (saves a gather).
             version: the engine version when ``rows`` / ``data`` were read; if the table changed
                 since, keys are found again and keys that left meanwhile are skipped.
-            nonfinite: what to do with keys whose gradient is not finite, or whose updated row
-                (embedding or optimizer state) would not be: skip them, raise before any row
-                changes, or apply.
-            agree_overflow: with ``nonfinite`` RAISE, called with whether this call's update
-                overflows, before any row is written; returns whether any party's does (a
-                sharded table's ranks raise together).
+            nonfinite: what to do with keys whose gradient, or whose updated row (embedding or
+                optimizer state), is not finite: skip them, raise before any row changes (and
+                before the step count advances), or apply (see :func:`screen_update`).
+            agree: a sharded table's agreement under ``raise`` (see :func:`screen_update`).
         Returns:
             Number of keys skipped for a non-finite gradient or update.
         """
@@ -321,18 +368,6 @@ class TableEngine:
         skipped = 0
         with writable():
             keep = rows >= 0
-            bad_rows = None if nonfinite is NonFiniteGrads.APPLY else nonfinite_rows(grads, keep)
-            if bad_rows is not None:
-                bad = keys[bad_rows]
-                if nonfinite is NonFiniteGrads.RAISE:
-                    shown = bad[:8].tolist()
-                    raise FloatingPointError(
-                        f"non-finite gradient for {bad.numel()} key(s) {shown}{' ...' if bad.numel() > 8 else ''}: "
-                        "no row of this batch was updated (nonfinite_grads='raise')"
-                    )
-                skipped = bad.numel()
-                self.nonfinite_grads += skipped
-                keep = keep & ~bad_rows
             if not bool(keep.all()):
                 sel = keep.nonzero().squeeze(1)
                 keys, rows, grads = keys.index_select(0, sel), rows.index_select(0, sel), grads.index_select(0, sel)
@@ -348,21 +383,12 @@ class TableEngine:
                 data = self.store.gather(rows)
             D = self.embedding_dim
             self.optimizer.update(data[:, :D], data[:, D:], grads, self.optimizer_step + 1)
-            overflow = None if nonfinite is NonFiniteGrads.APPLY else nonfinite_rows(data, torch.ones_like(rows, dtype=torch.bool))
-            if nonfinite is NonFiniteGrads.RAISE and agree_overflow is not None and agree_overflow(overflow is not None) and overflow is None:
-                raise FloatingPointError(
-                    "the update would make rows owned by another rank non-finite (that rank names the keys): "
-                    "no row of this batch was updated on any rank (nonfinite_grads='raise')"
-                )
-            if overflow is not None:
-                # Finite gradients, non-finite result (a row or its optimizer state overflowed):
-                # the same policy as a non-finite gradient; nothing is written before a raise.
-                over = keys[overflow]
-                if nonfinite is NonFiniteGrads.RAISE:
-                    raise FloatingPointError(nonfinite_update_message(over, "key(s)"))
-                skipped += over.numel()
-                self.nonfinite_grads += over.numel()
-                sel = (~overflow).nonzero().squeeze(1)
+            # Raises (under 'raise') before anything is written: rows, step count and counters.
+            bad = screen_update(keys, grads, data, nonfinite, agree=agree)
+            if bad is not None:
+                skipped = int(bad.sum())
+                self.nonfinite_grads += skipped
+                sel = (~bad).nonzero().squeeze(1)
                 rows, data = rows.index_select(0, sel), data.index_select(0, sel)
             self.optimizer_step += 1
             self.store.scatter(rows, data)

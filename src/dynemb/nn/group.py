@@ -20,7 +20,7 @@ import torch
 
 from dynemb.config import TableConfig
 from dynemb.nn.changes import ChangeLog
-from dynemb.nn.functional import _device_memory, leaving_contents, nonfinite_rows, nonfinite_update_message, with_initial_state
+from dynemb.nn.functional import _device_memory, leaving_contents, screen_update, with_initial_state
 from dynemb.optim.base import RowOptimizer
 from dynemb.storage.device_store import DeviceRowStore
 from dynemb.storage.initializers import RowInitializer
@@ -214,7 +214,7 @@ class GroupEngine:
         version: int | None = None,
         nonfinite: NonFiniteGrads = NonFiniteGrads.SKIP,
         stepped: list[int] | None = None,
-        agree_overflow: Callable[[bool], bool] | None = None,
+        agree: Callable[[bool], bool] | None = None,
     ) -> int:
         """One optimizer step of every table in ``stepped`` (default: all) on the rows of pairs.
 
@@ -227,7 +227,7 @@ class GroupEngine:
                 if the tables changed since).
             nonfinite: what to do with pairs whose gradient, or updated row, is not finite.
             stepped: segments whose step count advances (each table steps once per call).
-            agree_overflow: as :meth:`dynemb.nn.functional.TableEngine.apply_gradients`.
+            agree: a sharded group's agreement under ``raise`` (see :func:`dynemb.nn.functional.screen_update`).
         Returns:
             Number of pairs skipped for a non-finite gradient or update.
         """
@@ -236,19 +236,6 @@ class GroupEngine:
         skipped = 0
         with writable():
             keep = rows >= 0
-            bad = None if nonfinite is NonFiniteGrads.APPLY else nonfinite_rows(grads, keep)
-            if bad is not None:
-                if nonfinite is NonFiniteGrads.RAISE:
-                    names = sorted({self.configs[s].name for s in segments[bad].tolist()})
-                    shown = keys[bad][:8].tolist()
-                    raise FloatingPointError(
-                        f"non-finite gradient for {int(bad.sum())} key(s) {shown} of tables {names}: no row of this batch was updated (nonfinite_grads='raise')"
-                    )
-                per_table = torch.bincount(segments[bad], minlength=self.num_tables).tolist()
-                for s, n in enumerate(per_table):
-                    self.nonfinite_grads[s] += n
-                skipped = int(bad.sum())
-                keep = keep & ~bad
             if not bool(keep.all()):
                 sel = keep.nonzero().squeeze(1)
                 keys, segments, rows, grads = (t.index_select(0, sel) for t in (keys, segments, rows, grads))
@@ -277,23 +264,14 @@ class GroupEngine:
                         part = data.index_select(0, sel)
                         self.optimizer.update(part[:, :D], part[:, D:], grads.index_select(0, sel), step)
                         data.index_copy_(0, sel, part)
-            overflow = None if nonfinite is NonFiniteGrads.APPLY else nonfinite_rows(data, torch.ones_like(rows, dtype=torch.bool))
-            if nonfinite is NonFiniteGrads.RAISE and agree_overflow is not None and agree_overflow(overflow is not None) and overflow is None:
-                raise FloatingPointError(
-                    "the update would make rows owned by another rank non-finite (that rank names the keys): "
-                    "no row of this batch was updated on any rank (nonfinite_grads='raise')"
-                )
-            if overflow is not None:
-                # Finite gradients, non-finite result: the policy of a non-finite gradient
-                # (nothing written before a raise).
-                if nonfinite is NonFiniteGrads.RAISE:
-                    names = sorted({self.configs[s].name for s in segments[overflow].tolist()})
-                    raise FloatingPointError(nonfinite_update_message(keys[overflow], "key(s)", names))
-                per_table = torch.bincount(segments[overflow], minlength=self.num_tables).tolist()
+            # Raises (under 'raise') before anything is written: rows, step counts and counters.
+            bad = screen_update(keys, grads, data, nonfinite, agree=agree, tables=lambda bad: sorted({self.configs[s].name for s in segments[bad].tolist()}))
+            if bad is not None:
+                per_table = torch.bincount(segments[bad], minlength=self.num_tables).tolist()
                 for s, n in enumerate(per_table):
                     self.nonfinite_grads[s] += n
-                skipped += int(overflow.sum())
-                sel = (~overflow).nonzero().squeeze(1)
+                skipped = int(bad.sum())
+                sel = (~bad).nonzero().squeeze(1)
                 rows, data = rows.index_select(0, sel), data.index_select(0, sel)
             self.optimizer_steps[:] = new_steps
             self.store.scatter(rows, data)
