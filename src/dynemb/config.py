@@ -126,9 +126,12 @@ class TableConfig:
         seed: seed of per-key initialisation and of the table's generator.
         dtype: embedding and optimizer state dtype.
         device: where index and rows live ("cpu", "cuda", "cuda:1", ...).
-        nonfinite_grads: what backward does with a key whose summed gradient holds NaN or inf:
-            ``skip`` (default: its row is not updated, ``stats()["nonfinite_grads"]`` counts it),
-            ``raise`` (``FloatingPointError`` before any row of the batch changes) or ``apply``.
+        nonfinite_grads: what an update does with a key whose summed gradient holds NaN or inf,
+            or whose updated row or optimizer state would (overflow: SGD lr 10 on a gradient of
+            3e38, a squared gradient beyond float max): ``skip`` (default: its row and state are
+            not updated, ``stats()["nonfinite_grads"]`` counts it), ``raise``
+            (``FloatingPointError`` before any row of the batch changes) or ``apply``
+            (docs/design/0020-nonfinite-rows.md).
         name: the table's name (collections and checkpoints refer to it).
         feature_names: the features looked up in this table (collections; default: the
             table's name).
