@@ -846,6 +846,9 @@ def load(
     chain = chain_of(path)
     es = entries(model)
     comm = _comm_of(es)
+    # Keys the caller's ``owns`` leaves out make the tables partial (no delta can follow); a
+    # sharded model's own split does not: every key is loaded on the rank that owns it.
+    partial = owns is not None
     if comm is not None and owns is None:
         # A sharded model: each rank keeps the keys it owns at the current world size.
         from dynemb.distributed.comm import owner_of
@@ -944,7 +947,7 @@ def load(
         # A delta can follow this checkpoint only where the tables now hold exactly its content.
         exact = {id(e.module) for e in es}
         for e in es:
-            if e.name not in data or report[e.name]["dropped"] or owns is not None or not optimizer_state:
+            if e.name not in data or report[e.name]["dropped"] or partial or not optimizer_state:
                 exact.discard(id(e.module))
         for e in es:
             e.module._checkpoint_id = last["id"] if id(e.module) in exact else None
