@@ -832,7 +832,8 @@ def load(
         strict: the model's tables and the checkpoint's must be the same set (by name).
         optimizer_state: also load optimizer state (``False``: fresh state of the model's
             optimizer, e.g. to fine-tune with another one; step counts restart at 0).
-        owns: ``owns(keys [K]) -> Tensor[bool] [K]``: load only the keys it accepts (a shard).
+        owns: ``owns(keys [K]) -> Tensor[bool] [K]``: load only the keys it accepts (a shard; no
+            delta can follow such a load). A sharded model needs none: each rank keeps its keys.
         on_overflow: ``"raise"`` (default) when keys do not fit a table, or ``"evict"`` to keep
             the highest-scored ones (the count dropped is in the returned report).
         verify: check SHA-256 of every file (size and tensor checks always run).
