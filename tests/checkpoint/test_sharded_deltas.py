@@ -45,10 +45,11 @@ SAVE_CAPACITY, LOAD_CAPACITY = 112, 1024
 SAVE_WORLDS = (2, 4)
 BASE_STEPS = range(0, 3)
 # (what the delta holds, its training steps); delta k is delta-<k>.
-DELTAS = (("new keys", range(3, 4)), ("updates", range(4, 5)), ("erases and evictions", range(5, 9)))
-FURTHER = range(9, 10)
-# Key index ranges each step draws from (keys are spread over int64 by _key).
-POOLS = {0: (0, 40), 1: (0, 40), 2: (0, 40), 3: (100, 200), 5: (1000, 1400), 6: (1000, 1400), 7: (1000, 1400), 8: (1000, 1400), 9: (0, 1400)}
+DELTAS = (("new keys", range(3, 4)), ("updates", range(4, 5)), ("erases and evictions", range(5, 11)))
+FURTHER = range(11, 12)
+# Key index ranges each step draws from (keys are spread over int64 by _key); the update step
+# draws from the keys already in the tables instead.
+POOLS = {**dict.fromkeys(BASE_STEPS, (0, 40)), 3: (100, 200), **dict.fromkeys(DELTAS[2][1], (1000, 1600)), FURTHER[0]: (0, 1600)}
 
 
 def _key(i: torch.Tensor) -> torch.Tensor:
@@ -101,25 +102,30 @@ def _table(model: _Model, name: str):
     return (model.seq, None) if name == "seq" else (model.ebc, name.split(".")[1])
 
 
-def _local(model: _Model) -> dict:
-    """(table, key) -> (whole row [D+S], score) of every key this rank holds."""
+def _local(model: _Model) -> dict[str, list[torch.Tensor]]:
+    """Per table, this rank's keys [K], whole rows [K, D+S] and scores [K], by key."""
     out = {}
     for name in TABLES:
         module, t = _table(model, name)
-        for c in module.export() if t is None else module.export(t):
-            rows = torch.cat([c["embeddings"], c["optimizer_state"]], 1)
-            for k, row, score in zip(c["keys"].tolist(), rows, c["scores"].tolist()):
-                out[(name, k)] = (row.clone(), score)
+        chunks = list(module.export() if t is None else module.export(t))
+        # Every table holds keys here (an empty one would make cat raise).
+        rows = torch.cat([torch.cat([c["embeddings"], c["optimizer_state"]], 1) for c in chunks])
+        out[name] = _by_key(torch.cat([c["keys"] for c in chunks]), rows, torch.cat([c["scores"] for c in chunks]))
     return out
 
 
-def _gathered(model: _Model, world: int, group) -> dict:
-    """_local over every rank of ``group`` (``world`` ranks; 1: the model is not sharded)."""
+def _by_key(keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> list[torch.Tensor]:
+    order = torch.argsort(keys)
+    return [keys[order], rows[order], scores[order]]
+
+
+def _gathered(model: _Model, world: int) -> dict[str, list[torch.Tensor]]:
+    """_local over every rank (``world`` ranks; 1: the model is not sharded)."""
     if world == 1:
         return _local(model)
     everyone = [None] * world
-    dist.all_gather_object(everyone, _local(model), group=group)
-    return {k: v for part in everyone for k, v in part.items()}
+    dist.all_gather_object(everyone, _local(model))
+    return {name: _by_key(*(torch.cat([part[name][i] for part in everyone]) for i in range(3))) for name in TABLES}
 
 
 def _stats(model: _Model) -> dict:
@@ -129,10 +135,16 @@ def _stats(model: _Model) -> dict:
 
 
 def _same(got: dict, want: dict) -> None:
-    assert got.keys() == want.keys(), (len(got), len(want), sorted(set(got) ^ set(want))[:6])
-    for k, (row, score) in want.items():
-        torch.testing.assert_close(got[k][0], row, msg=lambda m, k=k: f"{k}: {m}")
-        assert got[k][1] == score, (k, got[k][1], score)
+    """Equal tables: the same keys and scores, rows equal (assert_close defaults)."""
+    for name in TABLES:
+        (gk, grows, gs), (wk, wrows, ws) = got[name], want[name]
+        assert torch.equal(gk, wk), (name, gk.numel(), wk.numel(), sorted(set(gk.tolist()) ^ set(wk.tolist()))[:6])
+        torch.testing.assert_close(grows, wrows, msg=lambda m, name=name: f"{name}: {m}")
+        assert torch.equal(gs, ws), name
+
+
+def _rows(contents: dict) -> int:
+    return sum(keys.numel() for keys, _, _ in contents.values())
 
 
 def _rank_files(path: Path, table: str, rank: int) -> dict[str, set[int]]:
@@ -145,12 +157,11 @@ def _rank_files(path: Path, table: str, rank: int) -> dict[str, set[int]]:
     return out
 
 
-def _save(rank: int, world: int, root: str, group) -> None:
-    """Base, three deltas and a full save at the end, sharded over ``group`` (``world`` ranks),
-    checking each rank's part of every delta; rank 0 writes the live contents and the counts
-    each delta must hold."""
+def _save_world(rank: int, world: int, root: str) -> None:
+    """Base, three deltas and a full save at the end, checking each rank's part of every delta;
+    rank 0 writes the live contents and the counts each delta must hold."""
     d = Path(root) / f"w{world}"
-    model = dynemb.distributed.shard(_Model(SAVE_CAPACITY), group)
+    model = dynemb.distributed.shard(_Model(SAVE_CAPACITY))
     left = {name: set() for name in TABLES}  # keys that left this rank's shard since the last save
     model.seq.register_evict_hook(lambda keys, rows: left["seq"].update(keys.tolist()))
     model.ebc.register_evict_hook(lambda t, keys, rows: left[f"ebc.{t}"].update(keys.tolist()))
@@ -170,22 +181,26 @@ def _save(rank: int, world: int, root: str, group) -> None:
                 touched["ebc.tag"].update(seen["ebc.tag"][r::world][:2].tolist())
             assert bool(model.seq.insert(seen["seq"][rank::world][:3], torch.full((3, 4), rank + 1.0)).all())
             assert bool(model.ebc.insert("tag", seen["ebc.tag"][rank::world][:2], torch.full((2, 8), -rank - 1.0)).all())
+        erased = set()
         if what == "erases and evictions":
-            mine = torch.unique(torch.cat([_batch(s)["seq"] for s in BASE_STEPS]))[rank::world][:4]
-            found = model.seq.erase(torch.cat([mine, torch.tensor([12345])]))
-            assert found.tolist() == [True] * mine.numel() + [False]
+            # Every rank erases 4 keys (owned by any rank) and one that is not there.
+            every = torch.unique(torch.cat([_batch(s)["seq"] for s in BASE_STEPS]))
+            erased = {key for r in range(world) for key in every[r::world][:4].tolist()}
+            found = model.seq.erase(torch.cat([every[rank::world][:4], torch.tensor([12345])]))
+            assert found.tolist() == [True] * 4 + [False]
         _train(model, steps, rank, world)
         for s in steps:
             for name, i in zip(TABLES, INPUTS):
                 touched[name].update(_batch(s)[i].tolist())
         if what != "erases and evictions":
             assert not any(left.values()), f"delta {k} ({what}) evicted: raise SAVE_CAPACITY"
+        else:
+            # Keys are evicted on every rank, from every table (the tombstones check below needs them).
+            assert all(keys - erased for keys in left.values()), ({n: len(keys - erased) for n, keys in left.items()}, "lower SAVE_CAPACITY")
         path = d / f"delta-{k}"
         dynemb.checkpoint.save_delta(model, path, base=base)
         base = path
-        held = {name: set() for name in TABLES}
-        for name, key in _local(model):
-            held[name].add(key)
+        held = {name: set(keys.tolist()) for name, (keys, _, _) in _local(model).items()}
         counts = {}
         for name in TABLES:
             files = _rank_files(path, name, rank)
@@ -195,23 +210,23 @@ def _save(rank: int, world: int, root: str, group) -> None:
             assert files["tombstones"] == left[name] - held[name], (k, name, sorted(files["tombstones"] ^ (left[name] - held[name]))[:6])
             counts[name] = [len(files["rows"]), len(files["tombstones"]), len(left[name])]
         everyone = [None] * world
-        dist.all_gather_object(everyone, counts, group=group)
+        dist.all_gather_object(everyone, counts)
         expected.append({name: [sum(c[name][j] for c in everyone) for j in range(3)] for name in TABLES})
     dynemb.checkpoint.save(model, d / "full")
-    contents = _gathered(model, world, group)
+    contents = _gathered(model, world)
     if rank == 0:
         torch.save(contents, d / "contents.pt")
         (d / "expected.json").write_text(json.dumps(expected))
 
 
-def _load_and_compare(rank: int, world: int, root: str, group) -> int:
-    """Load every saved chain and its full save sharded over ``group`` (``world`` ranks; 1:
-    unsharded): equal tables and counters, equal after one further step, and a delta saved now
-    continues the chain. Returns the number of (table, key) rows compared after loading."""
+def _load_and_compare(rank: int, world: int, root: str) -> int:
+    """Load every saved chain and its full save at ``world`` ranks (1: unsharded): equal tables
+    and counters, equal after one further step, and a delta saved now continues the chain.
+    Returns the number of (table, key) rows compared after loading."""
 
     def fresh() -> _Model:
         model = _Model(LOAD_CAPACITY)
-        return model if world == 1 else dynemb.distributed.shard(model, group)
+        return model if world == 1 else dynemb.distributed.shard(model)
 
     compared = 0
     for saved_at in SAVE_WORLDS:
@@ -220,31 +235,27 @@ def _load_and_compare(rank: int, world: int, root: str, group) -> int:
         chain, full = fresh(), fresh()
         dynemb.checkpoint.load(chain, d / f"delta-{len(DELTAS)}")
         dynemb.checkpoint.load(full, d / "full")
-        _same(_gathered(chain, world, group), want)
-        _same(_gathered(full, world, group), want)
-        compared += len(want)
+        _same(_gathered(chain, world), want)
+        _same(_gathered(full, world), want)
+        compared += _rows(want)
         assert _stats(chain) == _stats(full)
         _train(chain, FURTHER, rank, world)
         _train(full, FURTHER, rank, world)
-        after = _gathered(full, world, group)
-        _same(_gathered(chain, world, group), after)
+        after = _gathered(full, world)
+        _same(_gathered(chain, world), after)
         assert _stats(chain) == _stats(full)
         # The loaded tables track their changes: a delta on the chain holds the further step.
         again = d / f"delta-{len(DELTAS) + 1}-at-{world}"
         dynemb.checkpoint.save_delta(chain, again, base=d / f"delta-{len(DELTAS)}")
         resumed = fresh()
         dynemb.checkpoint.load(resumed, again)
-        _same(_gathered(resumed, world, group), after)
+        _same(_gathered(resumed, world), after)
     return compared
-
-
-def _save_world(rank: int, world: int, root: str) -> None:
-    _save(rank, world, root, None)
 
 
 def _load_world(rank: int, world: int, root: str) -> None:
     """Loads at ``world`` ranks; rank 0 records how many rows they compared."""
-    compared = _load_and_compare(rank, world, root, None)
+    compared = _load_and_compare(rank, world, root)
     if rank == 0:
         (Path(root) / f"loaded-at-{world}.json").write_text(json.dumps(compared))
 
@@ -313,11 +324,11 @@ def test_cli_reports_the_rows_and_tombstones_of_a_sharded_delta(saved, capsys):
 
 
 def test_sharded_chains_load_unsharded_equal_a_full_save(saved):
-    assert _load_and_compare(0, 1, str(saved), None) == _rows_saved(saved)
+    assert _load_and_compare(0, 1, str(saved)) == _rows_saved(saved)
 
 
 def _rows_saved(root: Path) -> int:
-    return sum(len(torch.load(root / f"w{w}" / "contents.pt")) for w in SAVE_WORLDS)
+    return sum(_rows(torch.load(root / f"w{w}" / "contents.pt")) for w in SAVE_WORLDS)
 
 
 def test_sharded_chains_load_at_three_ranks_equal_a_full_save(saved):
