@@ -169,16 +169,16 @@ class TableEngine:
     def device(self) -> torch.device:
         return self.config.device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.config.dtype
+
     def track_changes(self) -> ChangeLog:
         """The change log (rows touched, keys left) that checkpoint deltas read, started empty if none."""
         if self.changes is None:
             # Sized to every row id the index can hand out: marking rows never has to grow it.
             self.changes = ChangeLog(self.index.capacity(), self.device)
         return self.changes
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.config.dtype
 
     def new_rows(self, keys: torch.Tensor) -> torch.Tensor:
         """Initial rows [n, D+S] of keys [n]: per-key embeddings and the optimizer's initial state."""
