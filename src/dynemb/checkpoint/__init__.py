@@ -839,7 +839,8 @@ def load(
         strict: the model's tables and the checkpoint's must be the same set (by name).
         optimizer_state: also load optimizer state (``False``: fresh state of the model's
             optimizer, e.g. to fine-tune with another one; step counts restart at 0).
-        owns: ``owns(keys [K]) -> Tensor[bool] [K]``: load only the keys it accepts (a shard).
+        owns: ``owns(keys [K]) -> Tensor[bool] [K]``: load only the keys it accepts (a shard; no
+            delta can follow such a load). A sharded model needs none: each rank keeps its keys.
         on_overflow: ``"raise"`` (default) when keys do not fit a table, or ``"evict"`` to keep
             the highest-scored ones (the count dropped is in the returned report).
         verify: check SHA-256 of every file (size and tensor checks always run).
@@ -855,6 +856,9 @@ def load(
     chain = chain_of(path)
     es = entries(model)
     comm = _comm_of(es)
+    # Keys the caller's ``owns`` leaves out make the tables partial (no delta can follow); a
+    # sharded model's own split does not: every key is loaded on the rank that owns it.
+    partial = owns is not None
     if comm is not None and owns is None:
         # A sharded model: each rank keeps the keys it owns at the current world size.
         from dynemb.distributed.comm import owner_of
@@ -953,7 +957,7 @@ def load(
         # A delta can follow this checkpoint only where the tables now hold exactly its content.
         exact = {id(e.module) for e in es}
         for e in es:
-            if e.name not in data or report[e.name]["dropped"] or owns is not None or not optimizer_state:
+            if e.name not in data or report[e.name]["dropped"] or partial or not optimizer_state:
                 exact.discard(id(e.module))
         for e in es:
             e.module._checkpoint_id = last["id"] if id(e.module) in exact else None

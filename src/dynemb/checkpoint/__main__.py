@@ -1,7 +1,7 @@
 """Command-line tools for checkpoints (docs/format.md).
 
     python -m dynemb.checkpoint inspect PATH [--json]   # tables, rows, dims, optimizer, steps, delta chain
-    python -m dynemb.checkpoint verify PATH             # every file of the chain against its manifest
+    python -m dynemb.checkpoint verify PATH             # every file of the chain against its manifest; rows and tombstones of each
 
 Exit status: 0 when all is well, 1 when the checkpoint is not (a :class:`dynemb.CheckpointError`,
 printed on stderr), 2 for a usage error.
@@ -68,11 +68,15 @@ def _summary(chain: list[tuple[Path, dict]]) -> dict:
     }
 
 
+def _print_chain(chain: list[dict]) -> None:
+    for c in chain:
+        print(f"  {c['kind']:<5} {c['id']}  rows {c['rows']}, tombstones {c['tombstones']}  {c['path']}")
+
+
 def _print_summary(s: dict) -> None:
     print(f"{s['path']}: {s['kind']} checkpoint {s['id']} (format {s['format_version']}, dynemb {s['dynemb_version']}, created {s['created']})")
     print(f"delta chain ({len(s['chain'])}, full first):")
-    for c in s["chain"]:
-        print(f"  {c['kind']:<5} {c['id']}  rows {c['rows']}, tombstones {c['tombstones']}  {c['path']}")
+    _print_chain(s["chain"])
     print(f"tables ({len(s['tables'])}):" + ("  + dense state" if s["dense"] else ""))
     for name, t in s["tables"].items():
         where = f"table {t['table']!r} of the collection at {t['module']!r}" if t["kind"] == "collection" else f"DynamicTable at {t['module']!r}"
@@ -144,6 +148,8 @@ def _verify(path: str) -> int:
         size += sum(f["bytes"] for f in entries)
     note = f" ({nonfinite} of them hold NaN or inf: load reads them as they are, with a warning)" if nonfinite else ""
     print(f"OK {chain[-1][0]}: {len(chain)} checkpoint(s), {files} files, {size} bytes, {rows} rows{note}")
+    # What each checkpoint of the chain holds: an empty delta stands out.
+    _print_chain(_summary(chain)["chain"])
     return 0
 
 

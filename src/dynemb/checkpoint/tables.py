@@ -116,12 +116,9 @@ class Entry:
         }
 
     def changes(self) -> ChangeLog:
-        """The engine's change log, created (empty) if it had none."""
-        engine = self.engine
-        if engine.changes is None:
-            # Sized to every row id the index can hand out: marking rows never has to grow it.
-            engine.changes = ChangeLog(engine.index.capacity(), engine.device)
-        return engine.changes
+        """The engine's change log, created (empty) if it had none (a sharded engine's is its
+        local shard's: each rank writes its own keys' changes)."""
+        return self.engine.track_changes()
 
 
 def entries(model: torch.nn.Module) -> list[Entry]:

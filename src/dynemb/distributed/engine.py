@@ -21,6 +21,7 @@ import dataclasses
 import torch
 
 from dynemb.distributed.comm import Comm, owner_of
+from dynemb.nn.changes import ChangeLog
 from dynemb.nn.functional import Resolved
 from dynemb.nn.group import GroupResolved
 from dynemb.table.index import unique_pairs
@@ -65,6 +66,24 @@ class _Sharded:
         if name == "local":
             raise AttributeError(name)
         return getattr(self.local, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        # Reads of other names go to the local engine, so a write would land here, unseen by it:
+        # a checkpoint once set its change log this way and every sharded delta came out empty.
+        # The local engine's state changes through its own methods (track_changes, to, ...).
+        if name not in ("local", "comm", "_rows_data"):
+            raise AttributeError(f"{type(self).__name__}.{name}: a sharded engine's state is its local engine's; change it through that engine's methods")
+        object.__setattr__(self, name, value)
+
+    @property
+    def changes(self) -> ChangeLog | None:
+        """This rank's change log: rows of its keys touched and its keys that left (evicted or
+        erased here, as their owner), or None when nothing tracks changes."""
+        return self.local.changes
+
+    def track_changes(self) -> ChangeLog:
+        """Start (or keep) this rank's change log; a sharded delta writes every rank's part."""
+        return self.local.track_changes()
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         """Embeddings [U, D] of the last resolve / find (``rows``: its placeholders, -1 allowed);

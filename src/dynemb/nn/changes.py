@@ -3,7 +3,8 @@
 R rows of the store, n rows or keys in a call.
 
 An engine holds a :class:`ChangeLog` once something asked it to track changes (a checkpoint
-save); without one, tracking costs nothing. Rows are marked when a training lookup touches their
+save or load calls ``engine.track_changes()``; a sharded engine's is its local engine's); without
+one, tracking costs nothing. Rows are marked when a training lookup touches their
 key (its score changes), an update writes them or an insert assigns them; keys are recorded when
 they leave (evicted or erased). Positions in the index do not matter: checkpoints store keys.
 """

@@ -253,6 +253,13 @@ class TableEngine:
     def dtype(self) -> torch.dtype:
         return self.config.dtype
 
+    def track_changes(self) -> ChangeLog:
+        """The change log (rows touched, keys left) that checkpoint deltas read, started empty if none."""
+        if self.changes is None:
+            # Sized to every row id the index can hand out: marking rows never has to grow it.
+            self.changes = ChangeLog(self.index.capacity(), self.device)
+        return self.changes
+
     def new_rows(self, keys: torch.Tensor) -> torch.Tensor:
         """Initial rows [n, D+S] of keys [n]: per-key embeddings and the optimizer's initial state."""
         return with_initial_state(self.initializer(keys), self.optimizer, self.width)

@@ -118,6 +118,13 @@ class GroupEngine:
     def num_tables(self) -> int:
         return len(self.configs)
 
+    def track_changes(self) -> ChangeLog:
+        """The change log (rows touched, (segment, key) pairs left) that checkpoint deltas read, started empty if none."""
+        if self.changes is None:
+            # Sized to every row id the index can hand out: marking rows never has to grow it.
+            self.changes = ChangeLog(self.index.capacity(), self.device)
+        return self.changes
+
     def init_embeddings(self, keys: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
         """Initial embeddings [n, D] of (segment, key) pairs [n], each by its table's initialiser."""
         if len(self._init_groups) == 1:
