@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -27,13 +28,15 @@ import torch.distributed as dist
 from dynemb.distributed.calls import OPS, Call, Kind
 from dynemb.hashing import mix64, rank_of
 
+# Int64s each rank sends each other rank in a call's header: the count, six header fields, the payload.
+_HEADER = 8
 # Seconds a failed rank waits for the others to report the same failure before naming culprits.
 _GRACE = 2.0
 
 
 _RESTORE = (
     "To go on, restore every rank from a checkpoint: restart the job (a dead rank) or build the model again on every rank, "
-    "shard() it and dynemb.checkpoint.load() the last checkpoint"
+    "shard() it and dynemb.checkpoint.load() the last checkpoint."
 )
 
 
@@ -91,7 +94,7 @@ class Comm:
         # are out of step (None while they are in step).
         self.calls = 0
         self.ended = 0
-        self.open: str | None = None
+        self.open: tuple[Call, int, str] | None = None  # (call, sequence number, operation)
         self.broken: str | None = None
 
     def _agree_ident(self) -> str:
@@ -105,9 +108,9 @@ class Comm:
         self.names.append(name)
         return len(self.names) - 1
 
-    def describe(self, call: Call, seq: int) -> str:
-        """A call in words: operation, table, exchange and sequence number."""
-        op = self.op or call.kind.default_op
+    def describe(self, call: Call, seq: int, op: str | None = None) -> str:
+        """A call in words: operation (default: the one under way), table, exchange and sequence number."""
+        op = (self.op if op is None else op) or call.kind.default_op
         where = f" of {self.names[call.engine]}" if call.engine >= 0 else ""
         what = "" if call.kind is Kind.REFUSED else f": {call.kind.describe(call.flags)}"
         return f"{op}{where} (call #{seq}{what})"
@@ -123,20 +126,28 @@ class Comm:
         if self.broken is not None:
             raise self._out_of_step(call)
         if self.open is not None:
-            self._leave(f"rank {self.rank} began a new call while {self.open} was still exchanging data")
+            self._leave(f"rank {self.rank} began a new call while {self.describe(*self.open)} was still exchanging data")
             raise self._out_of_step(call)
         self.calls += 1
-        seq, W = self.calls, self.world_size
-        head = [OPS.index(self.op), int(call.kind), call.engine, call.flags, seq, int(problem is None)]
-        inp = torch.tensor([[n, *head, payload] for n in (send or [0] * W)], dtype=torch.int64, device=self.device)  # [W, 8]
+        seq, W, op = self.calls, self.world_size, self.op
+        head = [OPS.index(op), int(call.kind), call.engine, call.flags, seq, int(problem is None)]
+        # [W * 8]: rank r's slice is (send[r], *head, payload); a flat list is the cheapest to build.
+        flat: list[int] = []
+        for n in send or [0] * W:
+            flat.append(n)
+            flat += head
+            flat.append(payload)
+        inp = torch.tensor(flat, dtype=torch.int64)
+        if self.device.type != "cpu":
+            inp = inp.to(self.device)
         out = torch.empty_like(inp)
-        self.bytes_sent += inp[0].numel() * inp.element_size() * (W - 1)
-        self._run(f"header of {self.describe(call, seq)}", lambda: dist.all_to_all_single(out, inp, group=self.group, async_op=True))
+        self.bytes_sent += 8 * _HEADER * (W - 1)
+        self._run(lambda: f"header of {self.describe(call, seq, op)}", lambda: dist.all_to_all_single(out, inp, group=self.group, async_op=True))
         got = out.tolist()
-        if all(row[1:7] == head for row in got):
+        if all(got[i + 1 : i + 7] == head for i in range(0, W * _HEADER, _HEADER)):
             if track:
-                self.open = self.describe(call, seq)
-            return [row[0] for row in got], [row[7] for row in got]
+                self.open = (call, seq, op)
+            return got[0::_HEADER], got[_HEADER - 1 :: _HEADER]
         self._disagree(self.describe(call, seq), problem)
         return None
 
@@ -153,7 +164,7 @@ class Comm:
     def left(self, error: BaseException) -> None:
         """``error`` left the open call on this rank before its last collective: the other ranks
         wait in that collective, so the ranks are out of step."""
-        self._leave(f"rank {self.rank} raised {type(error).__name__} in the middle of {self.open}")
+        self._leave(f"rank {self.rank} raised {type(error).__name__} in the middle of {self.describe(*self.open)}")
 
     def _leave(self, why: str) -> None:
         """Mark the ranks out of step (and tell the others through the store, for their errors)."""
@@ -199,8 +210,9 @@ class Comm:
 
     # -- failure-aware waiting -----------------------------------------------------------------
 
-    def _run(self, what: str, start):
-        """Run one collective (``start()`` returns its Work) with a bounded wait."""
+    def _run(self, what: str | Callable[[], str], start):
+        """Run one collective (``start()`` returns its Work) with a bounded wait; ``what`` names
+        it in errors (a callable: built only then)."""
         self._seq += 1
         seq = self._seq
         try:
@@ -215,7 +227,7 @@ class Comm:
         except Exception as e:
             raise self._failure(what, seq, e, time.monotonic() - t0) from e
 
-    def _failure(self, what: str, seq: int, cause: Exception, waited: float) -> ShardingError:
+    def _failure(self, what: str | Callable[[], str], seq: int, cause: Exception, waited: float) -> ShardingError:
         """Name the ranks that did not take part in collective ``seq``."""
         culprits: list[int] = []
         try:
@@ -238,20 +250,23 @@ class Comm:
             culprits, store_ok = [], False
         if culprits:
             who = (f"rank {culprits[0]}" if len(culprits) == 1 else f"ranks {culprits}") + " did not take part (it died, raised, or is stuck)"
-            said = [f"rank {r}: {self._said(r)}" for r in culprits if self._said(r)]
+            said = [text for text in map(self._said, culprits) if text]
             if said:
-                who += f" ({'; '.join(said)})"
+                who += f": {'; '.join(said)}"
         elif store_ok:
             who = "every rank reports this collective failed, so none can be blamed (see the cause)"
         elif self.rank == 0:
             who = "the failing rank could not be told (the store is unreachable)"
         else:
             who = "the failing rank could not be told (the store is unreachable: its host, rank 0 unless torchrun hosts it, may have died)"
+        # The call, when one is open: the collective's own name means little to a user.
+        what = what() if callable(what) else what
+        what = f"{self.describe(*self.open)}, its {what}" if self.open else what
         message = (
             f"dynemb.distributed: {what} (collective #{seq} of this sharded module) failed on rank {self.rank} "
             f"after {waited:.1f} s: {who}. Cause: {type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}. {_RESTORE}"
         )
-        self.broken, self.open = f"{what} (collective #{seq}) failed on rank {self.rank}", None
+        self.broken, self.open = f"{what} (collective #{seq}) failed on rank {self.rank}: {who}", None
         return ShardingError(message, culprits)
 
     def _said(self, rank: int) -> str:
