@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 from dist_cases import (
     CAPACITY,
-    D,
     KEYS,
     OPTIMIZERS,
     TABLE_NAMES,
     Checks,
+    D,
     _shard,
     all_gather,
     batch_size,

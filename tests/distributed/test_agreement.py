@@ -38,11 +38,21 @@ def expected(case: str, phase: str, r: int, W: int) -> tuple[str | None, list[st
     if case == "bad-input-table":
         if r == 0:
             return "TypeError", [r"ids\.dtype=torch\.float32"]
-        return "ValueError", [rf"forward of {bag} \(call #\d+: training lookup\) refused on rank {r}", "bad input on another rank",
-                              rf"rank 0 raised TypeError: ids\.dtype=torch\.float32.* in forward of {bag}", "still in step", "make the call again"]  # fmt: skip
+        return "ValueError", [
+            rf"forward of {bag} \(call #\d+: training lookup\) refused on rank {r}",
+            "bad input on another rank",
+            rf"rank 0 raised TypeError: ids\.dtype=torch\.float32.* in forward of {bag}",
+            "still in step",
+            "make the call again",
+        ]
     if case == "calls-differ-table":
-        return "ShardingError", [rf"refused on rank {r}: the ranks make different collective calls", rf"rank {last}: find\(\) / contains\(\) of {bag}",
-                                 rf"ranks? \[?0[],:].*forward of {bag} \(call #\d+: training lookup\)", "still in step", "same collective calls"]  # fmt: skip
+        return "ShardingError", [
+            rf"refused on rank {r}: the ranks make different collective calls",
+            rf"rank {last}: find\(\) / contains\(\) of {bag}",
+            rf"ranks? \[?0[],:].*forward of {bag} \(call #\d+: training lookup\)",
+            "still in step",
+            "same collective calls",
+        ]
     if case == "backward-skipped":
         return "ShardingError", [rf"rank {last}: forward of {bag}", rf"ranks? \[?0[],:].*backward of {bag} \(call #\d+: gradient step\)", "still in step"]
     if case == "collection-agreement" and phase == "bad input":
@@ -50,13 +60,24 @@ def expected(case: str, phase: str, r: int, W: int) -> tuple[str | None, list[st
             return "ValueError", [r"features \['fc'\]: missing from the input"]
         return "ValueError", ["bad input on another rank", rf"rank {last} raised ValueError: features \['fc'\].* in forward of {col}"]
     if case == "collection-agreement" and phase == "differ":
-        return "ShardingError", [rf"rank 0: find\(\) / contains\(\) of {col} tables \['a', 'b'\]", rf"ranks? \[?1[],:].*insert\(\) of {col} tables \['a', 'b'\]"]
+        return "ShardingError", [
+            rf"rank 0: find\(\) / contains\(\) of {col} tables \['a', 'b'\]",
+            rf"ranks? \[?1[],:].*insert\(\) of {col} tables \['a', 'b'\]",
+        ]
     if case == "out-of-step" and phase == "half-way":
         if r == last:
             return "RuntimeError", ["injected failure"]
-        return "ShardingError", ["did not take part", rf"rank {last} raised RuntimeError in the middle of forward of {bag}", "restore every rank from a checkpoint"]
+        return "ShardingError", [
+            "did not take part",
+            rf"rank {last} raised RuntimeError in the middle of forward of {bag}",
+            "restore every rank from a checkpoint",
+        ]
     if case == "out-of-step":
-        return "ShardingError", [rf"refused on rank {r}: the sharded tables of this process group are out of step since", rf"rank {last}", "restore every rank from a checkpoint"]
+        return "ShardingError", [
+            rf"refused on rank {r}: the sharded tables of this process group are out of step since",
+            rf"rank {last}",
+            "restore every rank from a checkpoint",
+        ]
     raise AssertionError(f"no expectation for {case} / {phase}")
 
 
