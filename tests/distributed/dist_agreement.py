@@ -13,6 +13,7 @@ last use) did not move.
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -229,3 +230,31 @@ CASES: dict[str, Callable] = {
 
 def agreement_world(worker: Worker) -> None:
     run_cases(worker, CASES, group_timeout_s=30)
+
+
+class _NoStore:
+    """A store whose every call fails, as one whose host died."""
+
+    def __getattr__(self, name):
+        def fail(*args, **kwargs):
+            raise RuntimeError("store unreachable (test)")
+
+        return fail
+
+
+def store_unreachable(worker: Worker) -> None:
+    """Three ranks train a sharded bag; then rank 2 exits and the store stops answering ranks 0
+    and 1 (their Comm's store is replaced by one that fails): each records the ShardingError of
+    its next step, which cannot name a culprit."""
+    table = dynemb.distributed.shard(make_bag(), timeout=BROKEN_TIMEOUT)
+    gen = torch.Generator().manual_seed(worker.rank)
+    table(KEYS[torch.randint(0, KEYS.numel(), (8,), generator=gen)], torch.arange(0, 8, 2)).sum().backward()
+    worker.store_barrier("trained", 60)
+    if worker.rank == 2:
+        worker.record(event="leaving")
+        os._exit(0)
+    table.engine.comm._store = _NoStore()
+    try:
+        table(KEYS[:8], torch.arange(0, 8, 2)).sum().backward()
+    except Exception as e:
+        worker.record(event="raised", type=type(e).__name__, message=str(e))

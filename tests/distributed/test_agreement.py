@@ -118,3 +118,18 @@ def test_half_way_failure_is_reported_within_the_timeout(worlds):
     waited = next(rec for rec in world.ranks[0].records if rec.get("of_case") == "out-of-step" and rec.get("phase") == "half-way")
     # The timeout (the others wait for the rank that left), the grace period, slack for a busy machine.
     assert waited["t"] - left["t"] < 2 * BROKEN_TIMEOUT.total_seconds() + 10, world.describe()
+
+
+def test_unreachable_store_is_not_blamed_on_rank_0_by_itself(tmp_path):
+    # Rank 2 exits; ranks 0 and 1 cannot reach the store to name it. Rank 0 must not suspect
+    # itself; rank 1 may suspect the store's host.
+    world = run_world(3, "dist_agreement:store_unreachable", tmp_path, deadline_s=60, final_barrier=False)
+    context = world.describe()
+    for rank in world.ranks:
+        assert not rank.killed and rank.returncode == 0, context
+    raised = [next((rec for rec in rank.records if rec.get("event") == "raised"), None) for rank in world.ranks[:2]]
+    assert all(raised), context
+    for rec in raised:
+        assert rec["type"] == "ShardingError" and "the failing rank could not be told (the store is unreachable" in rec["message"], rec
+    assert "may have died" not in raised[0]["message"], raised[0]["message"]
+    assert "its host, rank 0 unless torchrun hosts it, may have died" in raised[1]["message"], raised[1]["message"]

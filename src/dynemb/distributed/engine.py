@@ -96,12 +96,13 @@ class _Sharded:
         try:
             yield
         except BaseException as e:
+            if undo is not None and comm.ended == ended:
+                undo()
             if comm.open is not None:
                 comm.left(e)
             elif comm.calls == begun and comm.broken is None and isinstance(e, Exception):
+                # May raise ShardingError itself (the others never come), chained to ``e``.
                 comm.refuse(self.id, f"{type(e).__name__}: {e}")
-            if undo is not None and comm.ended == ended:
-                undo()
             raise
         finally:
             comm.op = ""
