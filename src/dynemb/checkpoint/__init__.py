@@ -1027,7 +1027,7 @@ def _install(members: list[Entry], fresh, parts, data: dict, optimizer_state: bo
         fresh.index._stats.update(inserts=totals[0], evictions=totals[1], failed_inserts=totals[2])
     old_engine = first.engine
     if getattr(old_engine, "collective", False):
-        fresh = type(old_engine)(fresh, old_engine.comm)
+        fresh = old_engine.rebuilt(fresh)
     if first.table is None:
         module.engine = fresh
         if getattr(module, "_pending", None) is not None:

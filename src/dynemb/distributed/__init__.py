@@ -15,10 +15,14 @@ at ``optimizer.step()``) update. With per-key initialisation (the default) and t
 (step) on every rank, the sharded model trains like the unsharded one on the concatenated
 batch (docs/design/0015-sharding.md).
 
-Collective calls (every rank calls them, each with its own keys): forward and backward of
-lookups, ``find``, ``optimizer.step()`` of deferred tables. Local calls (this rank's shard):
-``export``, ``stats``, ``len``, ``state_dict``. Not yet on a sharded table: ``insert``, ``erase``
-and admission (they raise).
+Collective calls (every rank calls them, each with its own keys, the same calls on the same
+tables in the same order): forward and backward of lookups, ``find`` / ``contains``,
+``optimizer.step()`` of deferred tables, ``insert``, ``erase``, checkpoint saves. Local calls
+(this rank's shard): ``export``, ``stats``, ``len``, ``state_dict``. Not yet on a sharded table:
+admission (it raises). The ranks agree on each call before any data moves: a rank that raised
+before a call (bad input), or ranks making different calls, make every rank raise with the
+tables unchanged; a rank that leaves a call half-way leaves the ranks out of step, and every
+further collective raises until the model is restored from a checkpoint (docs/design/0019).
 """
 
 from __future__ import annotations
@@ -89,10 +93,15 @@ def shard(module: torch.nn.Module, process_group=None, *, timeout: datetime.time
                 raise ValueError(f"{where}: tables {admitting} use admission, not supported on sharded tables yet")
     comm = Comm(process_group, timeout)
     W = comm.world_size
-    for _, m in targets:
+    for name, m in targets:
+        # Names for errors; the engines' ids follow this order, the same on every rank.
+        where = f"table {name!r}" if name else type(m).__name__
         if isinstance(m, DynamicTable):
             old = m.engine
-            m.engine = ShardedTableEngine(TableEngine(_local_config(old.config, W), old.optimizer), comm)
+            m.engine = ShardedTableEngine(TableEngine(_local_config(old.config, W), old.optimizer), comm, where)
         else:
-            m.engines = [ShardedGroupEngine(GroupEngine([_local_config(c, W) for c in e.configs], e.optimizer), comm) for e in m.engines]
+            m.engines = [
+                ShardedGroupEngine(GroupEngine([_local_config(c, W) for c in e.configs], e.optimizer), comm, f"{where} tables {[c.name for c in e.configs]}")
+                for e in m.engines
+            ]
     return module

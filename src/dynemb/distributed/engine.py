@@ -12,14 +12,21 @@ de-duplicate across ranks, resolve (inserting in training) and gather; rows and 
 found / inserted / placed flags come back. Backward (``apply_gradients``): per-key gradients to
 owners, summed per key across ranks, one fused step of the owner's rows. Keys an owner could
 not place come back as not placed, and the asking rank reports them as its failed keys.
+
+Each call opens with the ranks' agreement on which call they make (:meth:`Comm.begin`, folded
+into the all-to-all of the call's counts) and ends (:meth:`Comm.end`) right after its last
+collective. Module operations run inside :meth:`_Sharded.collective_op`, which tells the other
+ranks when this rank raised before its first collective (docs/design/0019).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
 
+from dynemb.distributed.calls import OPS, RAISE_NONFINITE, SCORES, TRAIN, Call, Kind
 from dynemb.distributed.comm import Comm, owner_of
 from dynemb.nn.changes import ChangeLog
 from dynemb.nn.functional import Resolved
@@ -29,15 +36,19 @@ from dynemb.types import NonFiniteGrads
 
 
 class Route:
-    """Where one call's keys went: the caller's permutation by owner and the split sizes."""
+    """Where one call's keys went: the caller's permutation by owner and the split sizes.
 
-    def __init__(self, comm: Comm, keys: torch.Tensor):
+    Building it opens ``call`` (:meth:`Comm.begin`: the split sizes travel with the call's
+    header); ``payloads`` are every rank's ``payload``. Without a call (dynemb.checkpoint's DCP
+    load) the route opens an exchange of its own that is not tracked."""
+
+    def __init__(self, comm: Comm, keys: torch.Tensor, call: Call | None = None, payload: int = 0):
         self.comm = comm
         owner = owner_of(keys, comm.world_size)
         by_owner = torch.sort(owner, stable=True)
         self.order = by_owner.indices  # [U] caller keys in owner order
         self.send = torch.bincount(by_owner.values, minlength=comm.world_size).tolist()
-        self.recv = comm.counts(self.send)
+        self.recv, self.payloads = comm.begin(call or Call(Kind.ROWS_TO_OWNERS), self.send, payload=payload, track=call is not None)
 
     def out(self, t: torch.Tensor) -> torch.Tensor:
         """Rows of ``t`` [U, *] (caller order) to their owners; returns the rows this rank owns."""
@@ -55,10 +66,50 @@ class _Sharded:
 
     collective = True
 
-    def __init__(self, local, comm: Comm):
+    def __init__(self, local, comm: Comm, name: str = "a sharded table", *, engine_id: int | None = None):
         self.local = local
         self.comm = comm
+        # This engine in call headers and errors: ids are given in shard()'s order, the same on
+        # every rank.
+        self.id = comm.register(name) if engine_id is None else engine_id
         self._rows_data: torch.Tensor | None = None
+
+    def rebuilt(self, local) -> _Sharded:
+        """This sharded engine (same Comm and id) over another local engine (a checkpoint load
+        builds a fresh one)."""
+        return type(self)(local, self.comm, engine_id=self.id)
+
+    @contextlib.contextmanager
+    def collective_op(self, op: str, undo=None):
+        """Around a module operation ``op`` (an entry of :data:`dynemb.distributed.calls.OPS`)
+        that makes collective calls: they carry its name, and an exception on this rank before
+        the operation's first collective is announced to the other ranks (which raise too,
+        naming this rank and the error) instead of leaving them waiting. ``undo()`` runs when
+        the operation raised before any of its calls ended (it changed no table). Nested
+        operations are the outer one's."""
+        comm = self.comm
+        if op not in OPS:
+            raise ValueError(f"op={op!r}: not one of {OPS}")
+        if comm.op:
+            yield
+            return
+        comm.op, begun, ended = op, comm.calls, comm.ended
+        try:
+            yield
+        except BaseException as e:
+            if undo is not None and comm.ended == ended:
+                undo()
+            if comm.open is not None:
+                comm.left(e)
+            elif comm.calls == begun and comm.broken is None and isinstance(e, Exception):
+                # May raise ShardingError itself (the others never come), chained to ``e``.
+                comm.refuse(self.id, f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            comm.op = ""
+
+    def _call(self, kind: Kind, flags: int = 0) -> Call:
+        return Call(kind, self.id, flags)
 
     def __getattr__(self, name):
         # Everything else (config, optimizer, index, store, version, stats, export, ...) is the
@@ -100,9 +151,9 @@ class _Sharded:
         (us, uk), inv, _ = unique_pairs(segs, keys)
         return uk, us, inv
 
-    def _routed(self, keys: torch.Tensor, segs: torch.Tensor | None):
-        """A Route for the caller's keys [U], and the keys (and segments) this rank owns."""
-        route = Route(self.comm, keys)
+    def _routed(self, call: Call, keys: torch.Tensor, segs: torch.Tensor | None):
+        """Open ``call`` with a Route for the caller's keys [U]; the keys (and segments) this rank owns."""
+        route = Route(self.comm, keys, call)
         return route, route.out(keys), None if segs is None else route.out(segs)
 
     @staticmethod
@@ -113,7 +164,8 @@ class _Sharded:
     def _resolve(self, keys, segs, *, train, now, counts, insertable, scores, evicted_contents, init_rows):
         if insertable is not None:
             raise NotImplementedError("admission on a sharded table: the admission counters would be per rank (shard() refuses it)")
-        route, rkeys, rsegs = self._routed(keys, segs)
+        call = self._call(Kind.LOOKUP, (TRAIN if train else 0) | (SCORES if scores is not None else 0))
+        route, rkeys, rsegs = self._routed(call, keys, segs)
         uk, us, inv = self._dedup(rkeys, rsegs)
         ucounts = None
         if train:
@@ -129,36 +181,40 @@ class _Sharded:
         flags = torch.stack([r.ok, r.found, r.inserted], 1).to(torch.uint8).index_select(0, inv)  # [R, 3]
         data = route.back(data.index_select(0, inv))  # [U, D]
         ok, found, inserted = route.back(flags).bool().unbind(1)
+        self.comm.end()
         self._rows_data = data
         placeholder = torch.where(ok, torch.arange(keys.numel(), device=keys.device), -1)
         failed = ~ok if train else torch.zeros_like(ok)
         return r, placeholder, found, inserted, failed
 
     def _find(self, keys, segs):
-        route, rkeys, rsegs = self._routed(keys, segs)
+        route, rkeys, rsegs = self._routed(self._call(Kind.FIND), keys, segs)
         uk, us, inv = self._dedup(rkeys, rsegs)
         rows, found = self.local.find(uk, *self._seg(us))
         data = route.back(self.local.gather(rows)[:, : self.local.embedding_dim].index_select(0, inv))
         found = route.back(found.to(torch.uint8).index_select(0, inv)).bool()
+        self.comm.end()
         self._rows_data = data
         return torch.where(found, torch.arange(keys.numel(), device=keys.device), -1), found
 
-    def agree(self, what: str, problem: str | None, **fields) -> list[dict]:
+    def agree(self, what: str, problem: str | None, **fields) -> list[dict] | None:
         """Before a collective call with caller-checked input (``insert``, ``erase``): every
-        rank's check result and call fields, so that a rank whose input is bad never leaves the
-        others in a collective it skips. Raises on every rank without a problem of its own when
-        another rank has one (that rank raises its own error); returns every rank's fields."""
-        everyone = self.comm.all_gather_object({"problem": problem, **fields})
-        bad = [f"rank {r}: {e['problem']}" for r, e in enumerate(everyone) if e["problem"] is not None]
-        if bad and problem is None:
-            raise ValueError(f"{what}() on a sharded table: bad input on another rank, so no rank changed the table ({'; '.join(bad)})")
+        rank's call fields, so that a rank whose input is bad never leaves the others in a
+        collective it skips. Raises on every rank without a problem of its own when another rank
+        has one; returns None to a rank with a ``problem`` (it raises its own error), else every
+        rank's fields."""
+        if self.comm.begin(self._call(Kind.INPUT_CHECK), problem=problem) is None:
+            return None
+        everyone = self.comm.all_gather_object(fields, header=False)
+        self.comm.end()
         return everyone
 
     def _write_rows(self, keys, segs, values) -> None:
         """``insert``'s write: each placed key's values [N, *] to its owner, which overwrites the
         key's row (a key given by several ranks gets one of their values)."""
-        route, rkeys, rsegs = self._routed(keys, segs)
+        route, rkeys, rsegs = self._routed(self._call(Kind.WRITE_ROWS), keys, segs)
         rvalues = route.out(values)
+        self.comm.end()
         rows, found = self.local.find(rkeys, *self._seg(rsegs))
         sel = found.nonzero().squeeze(1)
         placed_segs = self._seg(None if rsegs is None else rsegs.index_select(0, sel))
@@ -168,32 +224,51 @@ class _Sharded:
         """Each key to its owner, which erases it (and reports it: evict hooks and
         ``last_evicted_keys`` of the owning rank, as for evictions); ``found`` [N] comes back to
         the rank that asked."""
-        route, rkeys, rsegs = self._routed(keys, segs)
+        route, rkeys, rsegs = self._routed(self._call(Kind.ERASE), keys, segs)
         r, contents = self.local.erase(rkeys, *self._seg(rsegs), evicted_contents=evicted_contents)
         found = route.back(r.found.to(torch.uint8)).bool()
+        self.comm.end()
         return dataclasses.replace(r, found=found), contents
 
-    def _apply(self, keys, segs, rows, grads, nonfinite: NonFiniteGrads, stepped=None) -> int:
-        """Send each placed key's gradient to its owner; owners sum per key and step once."""
+    def _apply(self, keys, segs, rows, grads, nonfinite: NonFiniteGrads, stepped=None, kind: Kind = Kind.GRADIENTS) -> int:
+        """Send each placed key's gradient to its owner; owners sum per key and step once.
+        ``Kind.PENDING`` (a deferred step): nothing at all when no rank has a key."""
         keep = (rows >= 0).nonzero().squeeze(1)
         if keep.numel() != keys.numel():
             keys, grads = keys.index_select(0, keep), grads.index_select(0, keep)
             segs = None if segs is None else segs.index_select(0, keep)
-        route, rkeys, rsegs = self._routed(keys, segs)
+        raising = nonfinite is NonFiniteGrads.RAISE
+        route = Route(self.comm, keys, self._call(kind, RAISE_NONFINITE if raising else 0), payload=keys.numel())
+        if kind is Kind.PENDING and not any(route.payloads):
+            self.comm.end()
+            return 0
+        rkeys, rsegs = route.out(keys), None if segs is None else route.out(segs)
         rgrads = route.out(grads)
         uk, us, inv = self._dedup(rkeys, rsegs)
         gsum = grads.new_zeros((uk.numel(), grads.shape[1])).index_add_(0, inv, rgrads)
         found_rows, _ = self.local.find(uk, *self._seg(us))
         kw = {"nonfinite": nonfinite} if us is None else {"nonfinite": nonfinite, "stepped": stepped}
-        if nonfinite is NonFiniteGrads.RAISE:
+        if not raising:
+            self.comm.end()
+            return self.local.apply_gradients(uk, *self._seg(us), found_rows, gsum, **kw)
+        ended = []
+
+        def agree(bad: bool) -> bool:
             # Every rank must raise together (a rank that raised alone would leave the others
             # waiting in the next collective): the owners screen their updated rows, all agree
-            # (one all-reduce) before any writes, and the owner of the bad keys names them.
-            kw["agree"] = lambda bad: bool(self.comm.all_reduce_max(int(bad)))
-        return self.local.apply_gradients(uk, *self._seg(us), found_rows, gsum, **kw)
+            # (one all-reduce, the call's last collective) before any writes, and the owner of
+            # the bad keys names them.
+            anyone = bool(self.comm.all_reduce_max(int(bad)))
+            self.comm.end()
+            ended.append(True)
+            return anyone
 
-    def _any_pending(self, n: int) -> bool:
-        return bool(self.comm.all_reduce_max(int(n)))
+        kw["agree"] = agree
+        skipped = self.local.apply_gradients(uk, *self._seg(us), found_rows, gsum, **kw)
+        if not ended:
+            # The local engine returned before screening (a frozen table): so did every rank.
+            self.comm.end()
+        return skipped
 
 
 class ShardedTableEngine(_Sharded):
@@ -219,9 +294,7 @@ class ShardedTableEngine(_Sharded):
         return self._apply(keys, None, rows, grads, nonfinite)
 
     def apply_pending(self, keys, grads, *, nonfinite=NonFiniteGrads.SKIP) -> int:
-        if not self._any_pending(keys.numel()):
-            return 0
-        return self._apply(keys, None, torch.zeros_like(keys), grads, nonfinite)
+        return self._apply(keys, None, torch.zeros_like(keys), grads, nonfinite, kind=Kind.PENDING)
 
 
 class ShardedGroupEngine(_Sharded):
@@ -250,6 +323,4 @@ class ShardedGroupEngine(_Sharded):
         if segments is None:
             # An empty accumulator has no segments yet: every rank must still send them.
             segments = torch.zeros_like(keys)
-        if not self._any_pending(keys.numel()):
-            return 0
-        return self._apply(keys, segments, torch.zeros_like(keys), grads, nonfinite)
+        return self._apply(keys, segments, torch.zeros_like(keys), grads, nonfinite, kind=Kind.PENDING)

@@ -29,6 +29,7 @@ from dynemb.config import TableConfig
 from dynemb.errors import InsertionError
 from dynemb.nn.admission import FrequencyAdmission
 from dynemb.nn.autograd import FusedEmbeddings, Lookup
+from dynemb.nn.collective import collective
 from dynemb.nn.deferred import GradAccumulator
 from dynemb.nn.group import GroupEngine, GroupResolved, group_key
 from dynemb.nn.units import UnitLayout, group_gradient, pool
@@ -460,6 +461,7 @@ class _DynamicCollection(torch.nn.Module):
                 raise InsertionError(message + " The keys are on this exception's .failed_keys.", failed)
             warnings.warn(message, RuntimeWarning, stacklevel=4)
 
+    @collective("forward")
     def _lookup(self, features, pooled: bool = False):
         batch = self._parse(features)
         failures: list = []
@@ -470,6 +472,7 @@ class _DynamicCollection(torch.nn.Module):
         self._raise_failures(failures)
         return batch, looked
 
+    @collective("backward")
     def _apply_lookup_gradients(self, lookup: GroupLookup, grad_u, inverse, grad) -> None:
         """Backward of one group's lookup: one fused step of its tables (or accumulate, deferred)."""
         with self._lock:
@@ -506,6 +509,7 @@ class _DynamicCollection(torch.nn.Module):
     # The DeferredOwner protocol of dynemb.optim.base (docs/design/0011-deferred-updates.md): one
     # pending gradient per group, keyed by (table, key).
 
+    @collective("optimizer.step()")
     def _deferred_apply(self) -> None:
         """One optimizer step of every group with a pending gradient, then clear it; keys that
         left their table since the lookup are skipped. Called by ``optimizer.step()``."""
@@ -538,6 +542,7 @@ class _DynamicCollection(torch.nn.Module):
 
     # -- direct access -----------------------------------------------------------------------
 
+    @collective("find() / contains()")
     def find(self, table: str, keys) -> tuple[torch.Tensor, torch.Tensor]:
         """Embeddings of one table's keys without side effects: keys [*] -> values [*, D]
         (eval_default where missing), found [*]."""
@@ -567,6 +572,7 @@ class _DynamicCollection(torch.nn.Module):
                 return
             yield chunk
 
+    @collective("insert()")
     def insert(self, table: str, keys, values: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
         """Assign rows to one table's keys ([N] distinct), inserting missing ones; ``values``
         [N, D] (embeddings) or [N, D+S] (whole rows). Returns found-after ([N] bool)."""

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from dynemb.config import TableConfig
+from dynemb.nn.collective import collective
 from dynemb.nn.module import DynamicTable, as_ids
 from dynemb.optim.base import RowOptimizer
 from dynemb.types import PoolingMode, UpdateMode
@@ -119,6 +120,7 @@ class DynamicEmbeddingBag(DynamicTable):
             raise ValueError(f"offsets[-1]={last}: with include_last_offset it must equal len(ids)={n}")
         return offsets
 
+    @collective("forward")
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         """ids [N] + offsets [B(+1)], or ids [B, L] -> Tensor [B, D]."""
         ids = as_ids(ids, "ids", self.device)

@@ -29,6 +29,7 @@ from dynemb.config import _DTYPES, TableConfig, resolve_device
 from dynemb.errors import InsertionError
 from dynemb.nn.admission import FrequencyAdmission
 from dynemb.nn.autograd import FusedEmbeddings, FusedSequence, Lookup
+from dynemb.nn.collective import collective
 from dynemb.nn.deferred import GradAccumulator
 from dynemb.nn.functional import Resolved, TableEngine
 from dynemb.optim.base import RowOptimizer
@@ -385,6 +386,7 @@ class DynamicTable(torch.nn.Module):
     def _trains(self) -> bool:
         return self.training and self.optimizer is not None and torch.is_grad_enabled()
 
+    @collective("forward")
     def lookup(self, ids) -> tuple[torch.Tensor, torch.Tensor]:
         """Embeddings of the unique ids and how to expand them.
 
@@ -400,6 +402,7 @@ class DynamicTable(torch.nn.Module):
             return FusedEmbeddings.apply(trigger, lookup, self.embedding_dim), inverse
         return lookup.data[:, : self.embedding_dim], inverse
 
+    @collective("forward")
     def lookup_sequence(self, ids) -> torch.Tensor:
         """One embedding per id: ids [*] -> [*, D]; in training, backward updates the rows."""
         lookup, inverse = self._gather(ids)
@@ -408,6 +411,7 @@ class DynamicTable(torch.nn.Module):
             return FusedSequence.apply(trigger, lookup, inverse, self.embedding_dim)
         return F.embedding(inverse, lookup.data[:, : self.embedding_dim])
 
+    @collective("backward")
     def _apply_lookup_gradients(self, lookup: Lookup, grad_u, inverse, grad) -> None:
         """Backward of one lookup: sum per key if needed, then one fused optimizer step (or add
         to the pending gradient when deferred)."""
@@ -442,6 +446,7 @@ class DynamicTable(torch.nn.Module):
             keys, grad_u = keys.index_select(0, sel), grad_u.index_select(0, sel)
         self._pending.add(keys, grad_u)
 
+    @collective("optimizer.step()")
     def _deferred_apply(self) -> None:
         """One optimizer step on the rows of the pending keys with their summed gradient, then
         clear it; keys evicted or erased since their lookup are skipped. Nothing (not even a step
@@ -474,6 +479,7 @@ class DynamicTable(torch.nn.Module):
 
     # -- direct access -----------------------------------------------------------------------
 
+    @collective("find() / contains()")
     def find(self, keys) -> tuple[torch.Tensor, torch.Tensor]:
         """Embeddings of keys without side effects.
 
@@ -490,6 +496,7 @@ class DynamicTable(torch.nn.Module):
         values.masked_fill_(~found[:, None], self.config.eval_default)
         return values.view(*keys.shape, self.embedding_dim), found.view(keys.shape)
 
+    @collective("find() / contains()")
     def contains(self, keys) -> torch.Tensor:
         """Membership without side effects: keys (Tensor[int64]) [*] -> Tensor[bool] [*]."""
         keys = self._ids(keys, "keys")
@@ -508,6 +515,7 @@ class DynamicTable(torch.nn.Module):
     def __len__(self) -> int:
         return self.index.size()
 
+    @collective("insert()")
     def insert(self, keys, values: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
         """Assign rows to keys, inserting missing ones (warm start, restore from ``export()``).
 
@@ -530,6 +538,7 @@ class DynamicTable(torch.nn.Module):
             self._report(r.failed_keys, r.evicted_keys, r.evicted, n)
         return r.ok.index_select(0, inverse)
 
+    @collective("erase()")
     def erase(self, keys) -> torch.Tensor:
         """Remove keys ([*] int64) and free their rows; returns found ([*] bool). Erased keys
         leave through the same exit as evicted ones (``last_evicted_keys``, evict hooks)."""
