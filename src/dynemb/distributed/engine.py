@@ -122,7 +122,7 @@ class _Sharded:
         # Reads of other names go to the local engine, so a write would land here, unseen by it:
         # a checkpoint once set its change log this way and every sharded delta came out empty.
         # The local engine's state changes through its own methods (track_changes, to, ...).
-        if name not in ("local", "comm", "_rows_data"):
+        if name not in ("local", "comm", "id", "_rows_data"):
             raise AttributeError(f"{type(self).__name__}.{name}: a sharded engine's state is its local engine's; change it through that engine's methods")
         object.__setattr__(self, name, value)
 
