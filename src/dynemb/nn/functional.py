@@ -311,7 +311,7 @@ class TableEngine:
                 data = self.store.gather(rows)
             self.optimizer_step += 1
             D = self.embedding_dim
-            self.optimizer.update(data[:, :D], data[:, D:], grads, self.optimizer_step)
+            self.optimizer.update_rows(data, D, grads, self.optimizer_step)
             self.store.scatter(rows, data)
             if self.changes is not None:
                 self.changes.touch(rows)

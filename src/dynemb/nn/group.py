@@ -262,7 +262,7 @@ class GroupEngine:
             D = self.embedding_dim
             steps = {self.optimizer_steps[s] for s in range(self.num_tables)}
             if len(steps) == 1:
-                self.optimizer.update(data[:, :D], data[:, D:], grads, steps.pop())
+                self.optimizer.update_rows(data, D, grads, steps.pop())
             else:
                 # Tables at different step counts (restored apart): one update per count.
                 step_of = torch.tensor(self.optimizer_steps, device=self.device).index_select(0, segments)
@@ -270,7 +270,7 @@ class GroupEngine:
                     sel = (step_of == step).nonzero().squeeze(1)
                     if sel.numel():
                         part = data.index_select(0, sel)
-                        self.optimizer.update(part[:, :D], part[:, D:], grads.index_select(0, sel), step)
+                        self.optimizer.update_rows(part, D, grads.index_select(0, sel), step)
                         data.index_copy_(0, sel, part)
             self.store.scatter(rows, data)
             if self.changes is not None:
