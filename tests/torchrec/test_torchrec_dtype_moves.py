@@ -45,7 +45,9 @@ def test_dlrm_double_trains_as_torchrecs_dlrm_double():
         chunk = next(ebc.collection.export(t.name))
         assert chunk["embeddings"].dtype == torch.float64
         # float32 -> float64 is exact: the same rows as TorchRec's converted weights.
-        torch.testing.assert_close(ebc(single_ids(FEATURES, vocab))[f].double(), ref.sparse_arch.embedding_bag_collection.embedding_bags[t.name].weight, rtol=0, atol=0)
+        torch.testing.assert_close(
+            ebc(single_ids(FEATURES, vocab))[f].double(), ref.sparse_arch.embedding_bag_collection.embedding_bags[t.name].weight, rtol=0, atol=0
+        )
 
     ours_opt = torch.optim.SGD(ours.parameters(), lr=0.05)
     # TorchRec's dense embedding weights under plain SGD: the same update as dynemb's fused SGD.
