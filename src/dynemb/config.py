@@ -33,7 +33,7 @@ def resolve_device(device: torch.device | str, field: str = "device") -> torch.d
     return device
 
 
-_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def _require_int(field: str, value, minimum: int) -> None:
@@ -124,7 +124,8 @@ class TableConfig:
         admission: optional frequency admission.
         eval_default: value of every column returned for a key missing in eval mode.
         seed: seed of per-key initialisation and of the table's generator.
-        dtype: embedding and optimizer state dtype.
+        dtype: embedding and optimizer state dtype (float32, float64, bfloat16 or float16; 16-bit
+            rows are updated in float32 and rounded once, docs/design/0021-dtype-moves.md).
         device: where index and rows live ("cpu", "cuda", "cuda:1", ...).
         nonfinite_grads: what an update does with a key whose summed gradient holds NaN or inf,
             or whose updated row or optimizer state would (overflow: SGD lr 10 on a gradient of
@@ -191,8 +192,9 @@ class TableConfig:
             "must be a finite number",
         )
         _require(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed", self.seed, "must be an int")
-        # float16's range loses the optimizers' eps (1e-8 rounds to 0): 0/0 would poison rows.
-        _require(self.dtype in _DTYPES, "dtype", self.dtype, "must be torch.float32, torch.float64 or torch.bfloat16")
+        # 16-bit rows are updated in float32 (RowOptimizer.update_rows), so float16's range does
+        # not lose the optimizers' eps; the float8 types have no arithmetic (docs/design/0021).
+        _require(self.dtype in _DTYPES, "dtype", self.dtype, "must be torch.float32, torch.float64, torch.bfloat16 or torch.float16")
         object.__setattr__(self, "device", resolve_device(self.device))
         object.__setattr__(self, "nonfinite_grads", NonFiniteGrads.parse(self.nonfinite_grads, "nonfinite_grads"))
         _require(self.name is None or (isinstance(self.name, str) and self.name != ""), "name", self.name, "must be a non-empty str or None")

@@ -297,10 +297,19 @@ def test_insert_raise_keeps_given_values_for_keys_that_fit():
     assert bool((values[found] == 7.0).all())
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn])
-def test_low_precision_dtypes_rejected(dtype):
-    with pytest.raises(ValueError, match="dtype=torch.float"):
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.int32])
+def test_dtypes_without_arithmetic_rejected(dtype):
+    with pytest.raises(ValueError, match=f"dtype={dtype}"):
         dynemb.DynamicEmbedding(D, 64, dtype=dtype)
+
+
+def test_float16_table_trains_without_nan():
+    # A zero gradient on zero Adagrad state: float16 arithmetic would give 0 / (0 + eps) with eps
+    # rounded to 0, i.e. NaN; the update runs in float32.
+    t = dynemb.DynamicEmbedding(D, 64, optimizer=dynemb.optim.Adagrad(), dtype=torch.float16)
+    (t(torch.tensor([1, 2])) * 0).sum().backward()
+    values, _ = t.find(torch.tensor([1, 2]))
+    assert values.dtype == torch.float16 and bool(torch.isfinite(values).all())
 
 
 def test_bfloat16_table_trains_without_nan():

@@ -313,10 +313,12 @@ def test_options_are_checked():
 
 
 def test_data_type_and_init_bounds():
-    half = [EmbeddingBagConfig(name="h", embedding_dim=4, num_embeddings=8, feature_names=["f"], data_type=DataType.FP16)]
+    quantized = [EmbeddingBagConfig(name="h", embedding_dim=4, num_embeddings=8, feature_names=["f"], data_type=DataType.INT8)]
     with pytest.raises(ValueError, match="'h'.*data_type"):
-        dynemb.torchrec.EmbeddingBagCollection(half)
-    dynemb.torchrec.EmbeddingBagCollection(half, options={"h": {"dtype": torch.float32}})
+        dynemb.torchrec.EmbeddingBagCollection(quantized)
+    dynemb.torchrec.EmbeddingBagCollection(quantized, options={"h": {"dtype": torch.float32}})
+    half = [EmbeddingBagConfig(name="h", embedding_dim=4, num_embeddings=8, feature_names=["f"], data_type=DataType.FP16)]
+    assert dynemb.torchrec.EmbeddingBagCollection(half).collection.table_configs[0].dtype == torch.float16
 
     bounded = [EmbeddingBagConfig(name="u", embedding_dim=8, num_embeddings=64, feature_names=["f"], weight_init_min=0.5, weight_init_max=0.75)]
     rows = dynemb.torchrec.EmbeddingBagCollection(bounded)(single_ids(["f"], ids(20, seed=13)))["f"]

@@ -288,7 +288,7 @@ def _check_table_entry(file: Path, name: str, entry, full: bool) -> None:
     for key in ("embedding_dim", "state_dim", "rows", "tombstones"):
         need(isinstance(entry.get(key), int) and not isinstance(entry.get(key), bool) and entry[key] >= 0, f"'{key}' must be an int >= 0")
     need(entry["embedding_dim"] >= 1, "'embedding_dim' must be >= 1")
-    need(entry.get("dtype") in ("float32", "float64", "bfloat16"), f"'dtype'={entry.get('dtype')!r} is not float32, float64 or bfloat16")
+    need(entry.get("dtype") in ("float32", "float64", "bfloat16", "float16"), f"'dtype'={entry.get('dtype')!r} is not float32, float64, bfloat16 or float16")
     need(
         isinstance(entry.get("counters"), dict)
         and all(_is_count(v) or (isinstance(v, list) and all(_is_count(x) for x in v)) for v in entry["counters"].values()),

@@ -15,7 +15,7 @@ from dynemb.nn.changes import ChangeLog
 from dynemb.nn.collection import _DynamicCollection
 from dynemb.nn.module import DynamicTable
 
-DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16"}
+DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 
 

@@ -16,6 +16,7 @@ batch, its features' gradients summed per key first. See docs/design/0013-collec
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 import warnings
@@ -32,6 +33,7 @@ from dynemb.nn.autograd import FusedEmbeddings, Lookup
 from dynemb.nn.collective import collective
 from dynemb.nn.deferred import GradAccumulator
 from dynemb.nn.group import GroupEngine, GroupResolved, group_key
+from dynemb.nn.moves import conversion_target
 from dynemb.nn.units import UnitLayout, group_gradient, pool
 from dynemb.optim.base import RowOptimizer
 from dynemb.table.index import unique_pairs
@@ -464,6 +466,10 @@ class _DynamicCollection(torch.nn.Module):
     @collective("forward")
     def _lookup(self, features, pooled: bool = False):
         batch = self._parse(features)
+        if self.training and self.optimizer is not None and torch.is_grad_enabled():
+            # Refused before the step changes anything (Adam on float16 rows, docs/design/0021).
+            for group, engine in zip(self._groups, self.engines):
+                self.optimizer.check_row_dtype(engine.dtype, f"tables {[self.table_names[t] for t in group.tables]}")
         failures: list = []
         with self._lock:
             if self.training:
@@ -595,12 +601,36 @@ class _DynamicCollection(torch.nn.Module):
     # -- torch.nn.Module behaviour -----------------------------------------------------------
 
     def _apply(self, fn, recurse=True):
+        """``.to()``, ``.cuda()``, ``.cpu()``, ``.half()``, ``.double()``... move or convert every
+        group (rows, index, pending gradients), the admission counters and the buffers
+        (docs/design/0021-dtype-moves.md)."""
+        # Every group's target, checked before any group changes.
+        targets = [conversion_target(fn, e.device, e.dtype) for e in self.engines]
         super()._apply(fn, recurse)
-        first = self.table_configs[0]
-        probe = fn(torch.empty(0, dtype=first.dtype, device=first.device))
-        if isinstance(probe, torch.Tensor) and (probe.device != first.device or probe.dtype != first.dtype):
-            raise NotImplementedError("moving or converting a dynemb collection is not supported yet: build it on the target device and dtype")
+        if all(t is None for t in targets):
+            return self
+        with self._lock:
+            for g, (engine, target) in enumerate(zip(self.engines, targets)):
+                if target is not None:
+                    engine.to(*target)
+                    if self._pending is not None:
+                        self._pending[g].to(*target)
+            engine_of = [self.engines[g] for g, _ in self._table_group]
+            self.table_configs = [dataclasses.replace(c, device=e.device, dtype=e.dtype) for c, e in zip(self.table_configs, engine_of)]
+            for admission, e in zip(self.admissions, engine_of):
+                if admission is not None:
+                    admission.to(e.device)
+            # The collection's own tensors live where its first table does (as when built).
+            device = self.table_configs[0].device
+            self._workspace.to(device)
+            self._recycler.clear()
+            self.last_failed_keys = {n: k.to(device) for n, k in self.last_failed_keys.items()}
+            self.last_evicted_keys = {n: k.to(device) for n, k in self.last_evicted_keys.items()}
+            self._derive_layout()
         return self
+
+    def _derive_layout(self) -> None:
+        """Called (under the lock) once the groups were moved or converted."""
 
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -676,6 +706,10 @@ class DynamicEmbeddingBagCollection(_DynamicCollection):
             mean = [n for n, t in zip(self.table_names, tables) if t.pooling is PoolingMode.MEAN]
             if mean:
                 raise ValueError(f"is_weighted=True: tables {mean} pool by 'mean'; weights need pooling='sum'")
+        self._derive_layout()
+
+    def _derive_layout(self) -> None:
+        # The unit layout needs one dtype and device: after a conversion groups may share them.
         self._units = UnitLayout.of(
             self.feature_dims,
             [g.features for g in self._groups],

@@ -389,7 +389,7 @@ class TableEngine:
             if data is None:
                 data = self.store.gather(rows)
             D = self.embedding_dim
-            self.optimizer.update(data[:, :D], data[:, D:], grads, self.optimizer_step + 1)
+            self.optimizer.update_rows(data, D, grads, self.optimizer_step + 1)
             # Raises (under 'raise') before anything is written: rows, step count and counters.
             bad = screen_update(keys, grads, data, nonfinite, agree=agree)
             if bad is not None:

@@ -261,7 +261,7 @@ class GroupEngine:
             D = self.embedding_dim
             steps = set(new_steps)
             if len(steps) == 1:
-                self.optimizer.update(data[:, :D], data[:, D:], grads, steps.pop())
+                self.optimizer.update_rows(data, D, grads, steps.pop())
             else:
                 # Tables at different step counts (restored apart): one update per count.
                 step_of = torch.tensor(new_steps, device=self.device).index_select(0, segments)
@@ -269,7 +269,7 @@ class GroupEngine:
                     sel = (step_of == step).nonzero().squeeze(1)
                     if sel.numel():
                         part = data.index_select(0, sel)
-                        self.optimizer.update(part[:, :D], part[:, D:], grads.index_select(0, sel), step)
+                        self.optimizer.update_rows(part, D, grads.index_select(0, sel), step)
                         data.index_copy_(0, sel, part)
             # Raises (under 'raise') before anything is written: rows, step counts and counters.
             bad = screen_update(keys, grads, data, nonfinite, agree=agree, tables=lambda bad: sorted({self.configs[s].name for s in segments[bad].tolist()}))

@@ -25,13 +25,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils.hooks import RemovableHandle
 
-from dynemb.config import _DTYPES, TableConfig, resolve_device
+from dynemb.config import TableConfig
 from dynemb.errors import InsertionError
 from dynemb.nn.admission import FrequencyAdmission
 from dynemb.nn.autograd import FusedEmbeddings, FusedSequence, Lookup
 from dynemb.nn.collective import collective
 from dynemb.nn.deferred import GradAccumulator
 from dynemb.nn.functional import Resolved, TableEngine
+from dynemb.nn.moves import conversion_target
 from dynemb.optim.base import RowOptimizer
 from dynemb.storage.base import RowStore
 from dynemb.table.index import check_keys
@@ -360,6 +361,9 @@ class DynamicTable(torch.nn.Module):
         ids' shape) of each id into the unique keys.
         """
         ids = self._ids(ids)
+        if self.training and self.optimizer is not None and torch.is_grad_enabled():
+            # Refused before the step changes anything (Adam on float16 rows, docs/design/0021).
+            self.optimizer.check_row_dtype(self.config.dtype)
         with self._lock:
             flat = ids.reshape(-1)
             keys, inverse, counts = torch.unique(flat, sorted=True, return_inverse=True, return_counts=True)
@@ -605,15 +609,14 @@ class DynamicTable(torch.nn.Module):
     # -- torch.nn.Module behaviour -----------------------------------------------------------
 
     def _apply(self, fn, recurse=True):
-        """``.to()``, ``.cuda()``, ``.cpu()``, ``.double()``... move or convert the whole table."""
+        """``.to()``, ``.cuda()``, ``.cpu()``, ``.half()``, ``.double()``... move or convert the
+        whole table: rows (embeddings and optimizer state, docs/design/0021-dtype-moves.md),
+        index, admission counters, pending gradient and buffers."""
+        # Checked first: a dtype no table holds raises before anything of this table changes.
+        target = conversion_target(fn, self.device, self.config.dtype)
         super()._apply(fn, recurse)
-        probe = fn(torch.empty(0, dtype=self.config.dtype, device=self.device))
-        if not isinstance(probe, torch.Tensor):
-            return self
-        device, dtype = resolve_device(probe.device), probe.dtype
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype={dtype}: a dynemb table holds torch.float32, torch.float64 or torch.bfloat16 rows")
-        if device != self.device or dtype != self.config.dtype:
+        if target is not None:
+            device, dtype = target
             with self._lock:
                 self.engine.to(device, dtype)
                 if self.admission is not None:

@@ -113,6 +113,8 @@ class RowOptimizer(torch.optim.Optimizer, abc.ABC):
     """
 
     lr = HyperParameter(non_negative)
+    # Row dtypes whose optimizer state this optimizer can train in (docs/design/0021-dtype-moves.md).
+    row_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
     def __init__(self, **hyper_parameters: Any):
         defaults = {}
@@ -203,6 +205,47 @@ class RowOptimizer(torch.optim.Optimizer, abc.ABC):
             grad (Tensor): [U, D] summed gradient per row.
             step: 1-based count of updates this table has applied, this one included.
         """
+
+    def check_row_dtype(self, dtype: torch.dtype, where: str = "a table") -> None:
+        """Raise ``ValueError`` naming ``dtype`` if this optimizer cannot train rows of ``dtype``."""
+        if dtype not in self.row_dtypes:
+            allowed = ", ".join(str(d) for d in self.row_dtypes)
+            raise ValueError(
+                f"dtype={dtype}: {type(self).__name__} cannot train {where} with rows of this dtype (its state would not hold the "
+                f"updates, docs/design/0021-dtype-moves.md); train in {allowed} (e.g. .float()), or read the rows in eval mode"
+            )
+
+    def update_rows(self, rows: torch.Tensor, embedding_dim: int, grad: torch.Tensor, step: int) -> None:
+        """Apply one step in place to whole rows ``[embedding | state]``: what the engines call.
+
+        Rows of a 16-bit dtype (float16, bfloat16) are updated in float32 and rounded once, as
+        torch's fused CUDA optimizers and AMP do: in float16 the default eps (1e-8, 1e-10)
+        rounds to 0, so a zero gradient on zero state would write 0/0 = NaN, and each
+        intermediate rounding would lose bits. float16 state saturates at float16's largest
+        value instead of becoming inf, which would freeze the row for good (an Adagrad
+        accumulator past 65504 keeps decaying the step no further). See
+        docs/design/0021-dtype-moves.md.
+
+        Args:
+            rows (Tensor): [U, D + S] the rows (contiguous or not), updated in place.
+            embedding_dim: D.
+            grad (Tensor): [U, D] summed gradient per row (any float dtype; used in the rows'
+                arithmetic dtype).
+            step: as for :meth:`update`.
+        Raises:
+            ValueError: the rows' dtype is not in :attr:`row_dtypes`; no row changed.
+        """
+        self.check_row_dtype(rows.dtype)
+        D = embedding_dim
+        if rows.dtype in (torch.float16, torch.bfloat16):
+            work = rows.float()  # [U, D + S]
+            self.update(work[:, :D], work[:, D:], grad.float(), step)
+            if rows.dtype == torch.float16 and work.shape[1] > D:
+                big = torch.finfo(torch.float16).max
+                work[:, D:].clamp_(-big, big)
+            rows.copy_(work)
+        else:
+            self.update(rows[:, :D], rows[:, D:], grad.to(rows.dtype), step)
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Apply one update to every deferred table with its pending gradient, and clear it.

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
 from dynemb.optim.base import HyperParameter, RowOptimizer, non_negative
 
 
@@ -109,6 +111,9 @@ class Adam(RowOptimizer):
     betas = HyperParameter(_betas)
     eps = HyperParameter(non_negative)
     weight_decay = HyperParameter(non_negative)
+    # float16 cannot hold the second moment: (1 - beta2) * g * g underflows to 0 for |g| below
+    # about 8e-3, and the steps then grow up to 1 / sqrt(1 - beta2) times too large (0021).
+    row_dtypes = (torch.float32, torch.float64, torch.bfloat16)
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
         super().__init__(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)

@@ -19,7 +19,7 @@ import dynemb
 
 # Fields that come from the TorchRec config itself; options may not override them.
 _FROM_TORCHREC = ("name", "feature_names", "embedding_dim", "pooling")
-_DTYPES = {DataType.FP32: torch.float32, DataType.BF16: torch.bfloat16}
+_DTYPES = {DataType.FP32: torch.float32, DataType.BF16: torch.bfloat16, DataType.FP16: torch.float16}
 _POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 
 
@@ -84,7 +84,7 @@ def table_config(
     if "dtype" not in options:
         if cfg.data_type not in _DTYPES:
             raise ValueError(
-                f"table {cfg.name!r}: data_type={cfg.data_type}: dynemb tables hold float32, float64 or bfloat16; "
+                f"table {cfg.name!r}: data_type={cfg.data_type}: dynemb tables hold float32, float64, bfloat16 or float16; "
                 f"use DataType.FP32 or pass options={{{cfg.name!r}: {{'dtype': torch.float32}}}}"
             )
         fields["dtype"] = _DTYPES[cfg.data_type]

@@ -96,7 +96,7 @@ class EmbeddingBagCollection(torchrec.EmbeddingBagCollection):
 
     Args:
         tables: TorchRec ``EmbeddingBagConfig`` s (name, feature_names, embedding_dim, pooling
-            SUM or MEAN, data_type FP32 or BF16). ``num_embeddings`` becomes the table's
+            SUM or MEAN, data_type FP32, BF16 or FP16). ``num_embeddings`` becomes the table's
             ``capacity`` (most keys held), not a bound on the ids: every int64 is a valid id.
         options: table name -> extra ``dynemb.TableConfig`` fields (``capacity``,
             ``score_strategy``, ``initializer``, ``admission``, ``device``...).
@@ -153,6 +153,12 @@ class EmbeddingBagCollection(torchrec.EmbeddingBagCollection):
     def stats(self) -> dict[str, dict]:
         """Table name -> the table's stats (size, capacity, evictions, failed inserts...)."""
         return self.collection.stats()
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        # TorchRec's device() says where the tables are: it follows a move of the collection.
+        self._device = self.collection.table_configs[0].device
+        return self
 
 
 class EmbeddingCollection(torchrec.EmbeddingCollection):
@@ -211,3 +217,9 @@ class EmbeddingCollection(torchrec.EmbeddingCollection):
     def stats(self) -> dict[str, dict]:
         """Table name -> the table's stats (size, capacity, evictions, failed inserts...)."""
         return self.collection.stats()
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        # TorchRec's device() says where the tables are: it follows a move of the collection.
+        self._device = self.collection.table_configs[0].device
+        return self
