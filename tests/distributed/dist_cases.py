@@ -784,7 +784,7 @@ def nonfinite_rows(worker: Worker, group) -> None:
     big_key = KEYS[:1]
     for policy in ("skip", "raise"):
 
-        def make():
+        def make(policy=policy):
             return dynemb.DynamicEmbedding(D, CAPACITY, optimizer=dynemb.optim.SGD(lr=10.0), nonfinite_grads=policy, score_strategy="step")
 
         table, ref = _shard(make(), group), make()

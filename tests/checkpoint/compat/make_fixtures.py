@@ -20,8 +20,8 @@ from safetensors.torch import save_file
 HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))
 
-from compat_model import BASE_STEPS, DELTA_STEPS, CompatModel, flat  # noqa: E402
 from ckpt_models import contents, train  # noqa: E402
+from compat_model import BASE_STEPS, DELTA_STEPS, CompatModel, flat  # noqa: E402
 
 import dynemb  # noqa: E402
 
