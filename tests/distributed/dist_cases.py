@@ -823,6 +823,13 @@ def nonfinite_rows(worker: Worker, group) -> None:
             counted = sum(all_gather(group, table.stats()["nonfinite_grads"]))
             check.equal("skip: keys skipped over all ranks", counted, ref.stats()["nonfinite_grads"])
         check_shards(check, group, f"{policy}: table", table.export(), ref.export())
+    # A state_dict is one rank's shard: loading one into a sharded table is refused, unchanged.
+    try:
+        table.load_state_dict(ref.state_dict())
+        check.true("load_state_dict on a sharded table did not raise", False)
+    except RuntimeError as e:
+        check.true(f"load_state_dict error {e}", "dynemb.checkpoint" in str(e))
+    check_shards(check, group, "table after the refused load_state_dict", table.export(), ref.export())
     check.done()
 
 

@@ -81,6 +81,10 @@ def collection_state(collection) -> dict[str, torch.Tensor]:
 
 def load_collection_state(collection, state: dict[str, torch.Tensor]) -> None:
     """Restore ``collection`` (lock held by the caller) from its entries; see the module docstring."""
+    if any(getattr(e, "collective", False) for e in collection.engines):
+        # Each rank holds only its keys; a state_dict is one rank's: restoring a sharded table
+        # goes through dynemb.checkpoint (every rank reads the keys it owns).
+        raise ValueError("load_state_dict on a sharded table is not supported: use dynemb.checkpoint.save / load, which reshard by key")
     step = int(_tensor(state, "step", torch.int64, ()))
     last_timestamp = int(_tensor(state, "last_timestamp", torch.int64, ()))
     tables = {}

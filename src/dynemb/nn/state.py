@@ -34,6 +34,10 @@ def load_table_state(table, state: dict[str, torch.Tensor]) -> None:
     re-inserted into a fresh engine with their scores; if any key cannot be placed, ValueError
     is raised and the table is left as it was.
     """
+    if any(getattr(e, "collective", False) for e in [table.engine]):
+        # Each rank holds only its keys; a state_dict is one rank's: restoring a sharded table
+        # goes through dynemb.checkpoint (every rank reads the keys it owns).
+        raise ValueError("load_state_dict on a sharded table is not supported: use dynemb.checkpoint.save / load, which reshard by key")
     D, S = table.embedding_dim, table.state_dim
     keys = _tensor(state, "keys", torch.int64, (None,))
     K = keys.numel()
