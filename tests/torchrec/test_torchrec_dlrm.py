@@ -39,18 +39,25 @@ def batch(vocab: torch.Tensor, seed: int, size: int = 16):
     return torch.randn(size, 4, generator=g), kjt(FEATURES, batch=size, vocab=vocab, seed=seed), torch.randint(0, 2, (size,), generator=g).float()
 
 
-def test_dlrm_matches_torchrec_dlrm_step_by_step():
-    vocab = ids(100, seed=0)  # 0, -1, int64 min and max among them
-    ours = dlrm(dynemb.torchrec.EmbeddingBagCollection(tables(), optimizer=dynemb.optim.SGD(lr=0.2)))
-    # TorchRec's twin: the same rows at positions 0..99, the same dense weights.
+def torchrec_twin(ours: DLRM, vocab: torch.Tensor) -> DLRM:
+    """TorchRec's own DLRM holding our DLRM's rows of ``vocab`` [V] at positions 0..V-1 and the
+    same dense weights."""
     rows = ours.sparse_arch.embedding_bag_collection(single_ids(FEATURES, vocab))
     twin_tables = [dataclasses.replace(t, num_embeddings=vocab.numel()) for t in tables()]
     ref = dlrm(torchrec.EmbeddingBagCollection(twin_tables))
     with torch.no_grad():
-        for t, f in zip(twin_tables, FEATURES):
+        for t, f in zip(tables(), FEATURES):
             ref.sparse_arch.embedding_bag_collection.embedding_bags[t.name].weight.copy_(rows[f])
         for name, p in ours.named_parameters():
             ref.get_parameter(name).copy_(p)
+    return ref
+
+
+def test_dlrm_matches_torchrec_dlrm_step_by_step():
+    vocab = ids(100, seed=0)  # 0, -1, int64 min and max among them
+    ours = dlrm(dynemb.torchrec.EmbeddingBagCollection(tables(), optimizer=dynemb.optim.SGD(lr=0.2)))
+    # TorchRec's twin: the same rows at positions 0..99, the same dense weights.
+    ref = torchrec_twin(ours, vocab)
     dense_names = {n for n, _ in ours.named_parameters()}
     ours_opt = torch.optim.SGD(ours.parameters(), lr=0.05)
     # TorchRec's dense embedding weights under plain SGD: the same update as dynemb's fused SGD.
@@ -68,7 +75,7 @@ def test_dlrm_matches_torchrec_dlrm_step_by_step():
             loss.backward()
             opt.step()
     after = ours.sparse_arch.embedding_bag_collection(single_ids(FEATURES, vocab))
-    for t, f in zip(twin_tables, FEATURES):
+    for t, f in zip(tables(), FEATURES):
         torch.testing.assert_close(after[f], ref.sparse_arch.embedding_bag_collection.embedding_bags[t.name].weight)
 
 

@@ -7,11 +7,8 @@ B samples, F features, D embedding dim.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
-import torchrec
-from test_torchrec_dlrm import FEATURES, batch, bce, dlrm, tables
+from test_torchrec_dlrm import FEATURES, batch, bce, dlrm, tables, torchrec_twin
 from test_torchrec_modules import FEATURES as MODULE_FEATURES
 from test_torchrec_modules import bag_tables, seq_tables, torchrec_twin_ebc, torchrec_twin_ec
 from torchrec_testing import ids, kjt, remap, single_ids
@@ -27,21 +24,14 @@ def test_dlrm_double_trains_as_torchrecs_dlrm_double():
     # One float32 step first: the conversion meets trained rows.
     dense, features, label = batch(vocab, seed=0)
     bce(ours(dense, features).squeeze(1), label).backward()
-    rows = ebc(single_ids(FEATURES, vocab))
-    twin_tables = [dataclasses.replace(t, num_embeddings=vocab.numel()) for t in tables()]
-    ref = dlrm(torchrec.EmbeddingBagCollection(twin_tables))
-    with torch.no_grad():
-        for t, f in zip(twin_tables, FEATURES):
-            ref.sparse_arch.embedding_bag_collection.embedding_bags[t.name].weight.copy_(rows[f])
-        for name, p in ours.named_parameters():
-            ref.get_parameter(name).copy_(p)
+    ref = torchrec_twin(ours, vocab)
     dense_names = {n for n, _ in ours.named_parameters()}
 
     assert ours.double() is ours
     ref.double()
     assert {p.dtype for p in ours.parameters()} == {torch.float64}
     assert [c.dtype for c in ebc.collection.table_configs] == [torch.float64] * len(FEATURES)
-    for t, f in zip(twin_tables, FEATURES):
+    for t, f in zip(tables(), FEATURES):
         chunk = next(ebc.collection.export(t.name))
         assert chunk["embeddings"].dtype == torch.float64
         # float32 -> float64 is exact: the same rows as TorchRec's converted weights.
@@ -67,7 +57,7 @@ def test_dlrm_double_trains_as_torchrecs_dlrm_double():
             opt.step()
     # TorchRec's EBC hands out float32 (it calls .float() on its pooled rows); so does the drop-in.
     after = ebc(single_ids(FEATURES, vocab))
-    for t, f in zip(twin_tables, FEATURES):
+    for t, f in zip(tables(), FEATURES):
         torch.testing.assert_close(after[f], ref.sparse_arch.embedding_bag_collection.embedding_bags[t.name].weight.float())
         assert next(ebc.collection.export(t.name))["embeddings"].dtype == torch.float64
 
