@@ -173,7 +173,7 @@ def placement(model: torch.nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     the free list are left out (a load numbers rows afresh, which changes no result)."""
     out = {}
     for name, (m, t) in tables_of(model).items():
-        index = m.index if t is None else m._engine_of(t)[0].index
+        index = m.index if t is None else m.location(t)[0].index
         state = index.state_dict()
         out[name] = {k: v for k, v in state.items() if k not in ("rows", "free", "free_high_water")}
     return out

@@ -151,7 +151,7 @@ def test_a_full_checkpoint_reads_with_json_and_safetensors_only(optimizer, tmp_p
         if table is None:
             generator = module.engine.initializer.generator
         else:
-            engine, segment, _ = module._engine_of(table)
+            engine, segment, _ = module.location(table)
             generator = engine.initializers[segment].generator
         assert _tensors(dirs, files["generator"])["state"].tobytes() == generator.get_state().numpy().tobytes()
 

@@ -716,7 +716,7 @@ def insert_erase_collection(worker: Worker, group) -> None:
     W, r = group.size(), group.rank()
     check = Checks(r)
     col, ref = _shard(make_collection(True, "adam", "fused"), group), make_collection(True, "adam", "fused")
-    engine = col.engines[col._table_group[TABLE_NAMES.index("b")][0]]
+    engine = col.engines[col.table_group[TABLE_NAMES.index("b")][0]]
 
     def insert(c):
         return lambda keys, values, scores: c.insert("b", keys, values, scores)

@@ -474,12 +474,12 @@ def test_deferred_collection_clipping_and_zero_grad():
     dense = torch.nn.Linear(28, 1)
     feats = batch(gen)
     dense(col(feats).concat).sum().backward()
-    pending = col._deferred_grad()
+    pending = col.deferred_grad()
     want = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in [*pending, *(p.grad for p in dense.parameters())]]))
     before = {name: col.find(name, torch.arange(-20, 20))[0] for name in ("a", "b", "c")}
     total = dynemb.clip_grad_norm_([dense, col], max_norm=1e-3)
     torch.testing.assert_close(total, want)
-    clipped = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in [*col._deferred_grad(), *(p.grad for p in dense.parameters())]]))
+    clipped = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in [*col.deferred_grad(), *(p.grad for p in dense.parameters())]]))
     assert clipped <= 1e-3 * 1.001
     col.optimizer.zero_grad()
     col.optimizer.step()

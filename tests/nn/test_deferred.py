@@ -209,7 +209,7 @@ def test_one_optimizer_steps_every_registered_table():
     del a
     gc.collect()
     params = opt.param_groups[0]["params"]
-    assert len(params) == 1 and params[0] is b._pending.param
+    assert len(params) == 1 and params[0] is b._pending[0].param
 
 
 # -- second backward through one lookup ----------------------------------------------------------
@@ -297,11 +297,11 @@ def test_clip_grad_norm_matches_dense_torch(norm_type, how):
 def test_clip_grad_norm_counts_a_gradient_once_and_checks_finiteness():
     table, lin, *_ = dense_twin(lr=0.5)
     lin(table(keys_of(torch.arange(5)))).sum().backward()
-    grads = [table._deferred_grad(), *(p.grad for p in lin.parameters())]
+    grads = [table.deferred_grad(), *(p.grad for p in lin.parameters())]
     want = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
     got = dynemb.clip_grad_norm_([table, lin, table.optimizer, table, *lin.parameters()], 1e9)
     torch.testing.assert_close(got, want)
-    table._deferred_grad()[0, 0] = float("nan")
+    table.deferred_grad()[0, 0] = float("nan")
     with pytest.raises(RuntimeError, match="non-finite"):
         dynemb.clip_grad_norm_(table, 1.0, error_if_nonfinite=True)
     with pytest.raises(TypeError, match="cannot take gradients from int"):
@@ -336,7 +336,7 @@ def test_grad_scaler_matches_dense_torch():
             ref_scaler.unscale_(ref_opts[0])
             by_key = dict(zip(ALL_KEYS.tolist(), range(V)))
             rows = torch.tensor([by_key[k] for k in table.pending_keys().tolist()])
-            torch.testing.assert_close(table._deferred_grad(), ref_emb.weight.grad.index_select(0, rows))
+            torch.testing.assert_close(table.deferred_grad(), ref_emb.weight.grad.index_select(0, rows))
         scaler.step(dense_opt)
         scaler.step(row_opt)
         scaler.update()
@@ -433,7 +433,7 @@ def test_copies_register_with_their_optimizer():
     table(ids).sum().backward()
     clone = copy.deepcopy(table)
     assert clone.optimizer is not table.optimizer
-    assert clone.optimizer.param_groups[0]["params"][0].grad is clone._deferred_grad()
+    assert clone.optimizer.param_groups[0]["params"][0].grad is clone.deferred_grad()
     before = table.find(ids)[0]
     clone.optimizer.step()
     torch.testing.assert_close(clone.find(ids)[0], before - 1.0)
@@ -447,7 +447,7 @@ def test_to_converts_the_pending_gradient():
     table(ids).sum().backward()
     table.double()
     placeholder = table.optimizer.param_groups[0]["params"][0]
-    assert table._deferred_grad().dtype == placeholder.grad.dtype == placeholder.dtype == torch.float64
+    assert table.deferred_grad().dtype == placeholder.grad.dtype == placeholder.dtype == torch.float64
     before = table.find(ids)[0]
     table.optimizer.step()
     torch.testing.assert_close(table.find(ids)[0], before - 1.0)
@@ -463,14 +463,14 @@ class TwoGroupOwner:
             optimizer.register_deferred(self, acc.param)
             optimizer.register_deferred(self, acc.param)
 
-    def _deferred_apply(self):
+    def deferred_step(self):
         self.applied.append([acc.drain()[2].clone() for acc in self.accs])
 
-    def _deferred_clear(self):
+    def deferred_clear(self):
         for acc in self.accs:
             acc.clear()
 
-    def _deferred_grad(self):
+    def deferred_grad(self):
         return [acc.grad for acc in self.accs]
 
 

@@ -339,7 +339,7 @@ def test_checkpoint_state_dict_find_export_after_half(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["embedding", "bag_collection"])
-def test_pending_deferred_gradient_follows_the_conversion(kind):
+def test_pendingdeferred_gradient_follows_the_conversion(kind):
     if kind == "embedding":
         sparse = dynemb.DynamicEmbedding(D, 64, optimizer=dynemb.optim.SGD(lr=1.0), update="deferred")
         sparse.insert(KEYS, torch.randn(K, D))
@@ -354,7 +354,7 @@ def test_pending_deferred_gradient_follows_the_conversion(kind):
     names = table_names(kind)
     rows = {t: rows_of(sparse, kind, t)[0] for t in names}
     sparse.half()
-    grads = sparse._deferred_grad()
+    grads = sparse.deferred_grad()
     for g in grads if isinstance(grads, list) else [grads]:
         assert g.dtype == torch.float16
     sparse.optimizer.step()

@@ -28,8 +28,7 @@ from dynemb.checkpoint import leftovers
 from dynemb.checkpoint.tables import DTYPE_NAMES, DTYPES, Entry, config_json, entries, optimizer_json
 from dynemb.errors import CheckpointError
 from dynemb.nn.admission import FrequencyAdmission
-from dynemb.nn.functional import TableEngine, warn_nonfinite, warn_nonfinite_keys
-from dynemb.nn.group import GroupEngine
+from dynemb.nn.functional import warn_nonfinite, warn_nonfinite_keys
 from dynemb.table.index import unique_pairs
 from dynemb.workspace import writable
 
@@ -244,7 +243,7 @@ def _save(model, path, *, delta_of: tuple[Path, dict] | None, chunk_rows: int, o
             try:
                 if delta_of is not None:
                     base_dir, base = delta_of
-                    stale = [e.name for e in es if getattr(e.module, "_checkpoint_id", None) != base["id"] or e.engine.changes is None]
+                    stale = [e.name for e in es if e.module.checkpoint_id != base["id"] or e.engine.changes is None]
                     if stale:
                         raise CheckpointError(
                             f"tables {stale} do not track changes since this checkpoint (their last save or load was another one); "
@@ -307,7 +306,7 @@ def _save(model, path, *, delta_of: tuple[Path, dict] | None, chunk_rows: int, o
                     raise RuntimeError(f"dynemb.checkpoint: rank 0 could not commit the save to {path}: {outcome}")
             for e in es:
                 e.changes().reset()
-                e.module._checkpoint_id = ckpt_id
+                e.module.checkpoint_id = ckpt_id
     except BaseException:
         if not rank:
             writer.abort()
@@ -690,11 +689,11 @@ def _build_engine(sample: Entry, parts: list[tuple[int | None, dict, Entry]], *,
     (segment, data with whole rows [K, D+S], entry); returns it and the keys dropped per table.
     Raises CheckpointError (nothing changed) if keys do not fit and ``on_overflow`` is "raise"."""
     # A sharded table's engine wraps the rank's local one: the fresh engine is a local one too.
-    engine = getattr(sample.engine, "local", sample.engine)
-    grouped = not isinstance(engine, TableEngine)
+    engine = sample.engine.local if sample.engine.collective else sample.engine
+    grouped = engine.segmented
 
     def new_engine():
-        return GroupEngine(engine.configs, engine.optimizer) if grouped else TableEngine(engine.config, engine.optimizer)
+        return engine.fresh()
 
     fresh = new_engine()
     device = fresh.device
@@ -960,7 +959,7 @@ def load(
             if e.name not in data or report[e.name]["dropped"] or partial or not optimizer_state:
                 exact.discard(id(e.module))
         for e in es:
-            e.module._checkpoint_id = last["id"] if id(e.module) in exact else None
+            e.module.checkpoint_id = last["id"] if id(e.module) in exact else None
             e.changes()  # start tracking changes for the next delta
     return report
 
@@ -979,61 +978,35 @@ def _admission(e: Entry, d: dict):
 
 
 def _install(members: list[Entry], fresh, parts, data: dict, optimizer_state: bool) -> None:
-    first = members[0]
-    module = first.module
+    """Swap ``fresh`` (built by :func:`_build_engine`) into the module of ``members`` with the
+    checkpoint's counters; tables of the group that the checkpoint does not hold (strict=False)
+    keep their step count, counters and generator."""
+    module = members[0].module
     for s, d, e in parts:
+        table = module.table_names[0] if e.table is None else e.table
+        segment = s or 0
         if e.name not in data:
-            # A table of the group that the checkpoint does not hold (strict=False) keeps its
-            # step count, counters and generator.
-            old = e.engine
-            fresh.optimizer_steps[s] = old.optimizer_steps[s]
-            fresh.nonfinite_grads[s] = old.nonfinite_grads[s]
-            fresh.initializers[s].generator.set_state(old.initializers[s].generator.get_state())
-            fresh.index._segment_stats[:, s] = old.index._segment_stats[:, s]
+            old = e.engine.counters(segment)
+            fresh.set_counters(
+                segment,
+                optimizer_step=old["optimizer_step"],
+                nonfinite_grads=old["nonfinite_grads"],
+                index=old["index"],
+                generator_state=old["generator"].get_state(),
+            )
             continue
         c = d["entry"]["counters"]
-        gen = d.get("generator")
-        if first.table is None:
-            fresh.optimizer_step = c["optimizer_step"] if optimizer_state else 0
-            fresh.nonfinite_grads = c["nonfinite_grads"]
-            if gen is not None:
-                fresh.initializer.generator.set_state(gen)
-            idx = c.get("index")
-            if isinstance(idx, list) and len(idx) == 4:
-                fresh.index._stats.update(dict(zip(("inserts", "evictions", "failed_inserts", "growths"), idx)))
-            module.step = c["step"]
-            module._last_timestamp = c["last_timestamp"]
-            module._erased = c["erased"]
-        else:
-            _, _, t = e.location
-            fresh.optimizer_steps[s] = c["optimizer_step"] if optimizer_state else 0
-            fresh.nonfinite_grads[s] = c["nonfinite_grads"]
-            if gen is not None:
-                fresh.initializers[s].generator.set_state(gen)
-            idx = c.get("index")
-            if isinstance(idx, list) and len(idx) == 4:
-                fresh.index._segment_stats[:, s] = torch.tensor(idx, device=fresh.device)
-            module.step = c["step"]
-            module._last_timestamp = c["last_timestamp"]
-            module._erased[t] = c["erased"]
-        if e.admission is not None:
-            if first.table is None:
-                module.admission = d["admission"]
-            else:
-                module.admissions[module.table_names.index(e.table)] = d["admission"]
-    if first.table is not None:
-        # The group index's own totals are the sums over its tables (segments do not grow).
-        totals = fresh.index._segment_stats.sum(1).tolist()
-        fresh.index._stats.update(inserts=totals[0], evictions=totals[1], failed_inserts=totals[2])
-    old_engine = first.engine
-    if getattr(old_engine, "collective", False):
+        idx = c.get("index")
+        fresh.set_counters(
+            segment,
+            optimizer_step=c["optimizer_step"] if optimizer_state else 0,
+            nonfinite_grads=c["nonfinite_grads"],
+            index=idx if isinstance(idx, list) and len(idx) == 4 else None,
+            generator_state=d.get("generator"),
+        )
+        module.set_clock(c["step"], c["last_timestamp"])
+        module.restore_table(table, erased=c["erased"], admission=d.get("admission"))
+    old_engine = members[0].engine
+    if old_engine.collective:
         fresh = old_engine.rebuilt(fresh)
-    if first.table is None:
-        module.engine = fresh
-        if getattr(module, "_pending", None) is not None:
-            module._pending.clear()
-    else:
-        g = module.engines.index(first.engine)
-        module.engines[g] = fresh
-        if getattr(module, "_pending", None) is not None:
-            module._pending[g].clear()
+    module.install_engine(module.engines.index(old_engine), fresh)

@@ -12,8 +12,8 @@ import torch
 
 from dynemb.config import TableConfig
 from dynemb.nn.changes import ChangeLog
-from dynemb.nn.collection import _DynamicCollection
 from dynemb.nn.module import DynamicTable
+from dynemb.nn.tables import DynamicTables
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
@@ -35,10 +35,8 @@ class Entry:
     @property
     def location(self) -> tuple:
         """(engine, segment or None, table index in a collection or None)."""
-        if self.table is None:
-            return self.module.engine, None, None
-        engine, s, t = self.module._engine_of(self.table)
-        return engine, s, t
+        engine, s, t = self.module.location(self.module.table_names[0] if self.table is None else self.table)
+        return engine, (s if engine.segmented else None), (None if self.table is None else t)
 
     @property
     def engine(self):
@@ -46,9 +44,7 @@ class Entry:
 
     @property
     def config(self) -> TableConfig:
-        if self.table is None:
-            return self.module.config
-        return self.module.table_configs[self.location[2]]
+        return self.module.table_configs[self.module.location(self.module.table_names[0] if self.table is None else self.table)[2]]
 
     @property
     def optimizer(self):
@@ -60,18 +56,16 @@ class Entry:
 
     @property
     def lock(self):
-        return self.module._lock
+        return self.module.lock
 
     @property
     def admission(self):
-        if self.table is None:
-            return self.module.admission
-        return self.module.admissions[self.location[2]]
+        return self.module.admissions[self.module.location(self.module.table_names[0] if self.table is None else self.table)[2]]
 
     @property
     def generator(self) -> torch.Generator:
         engine, s, _ = self.location
-        return engine.initializer.generator if s is None else engine.initializers[s].generator
+        return engine.counters(s or 0)["generator"]
 
     def export(self, chunk_rows: int):
         engine, s, _ = self.location
@@ -88,32 +82,16 @@ class Entry:
         yield from index._export_slots(lo, hi, chunk_rows)
 
     def find_rows(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # The rank's own index (a sharded engine's find would be a collective call).
         engine, s, _ = self.location
         if s is None:
             return engine.index.find(keys)
         return engine.index.find(keys, segments=torch.full_like(keys, s))
 
     def counters(self) -> dict:
-        engine, s, t = self.location
-        if s is None:
-            index = engine.index.stats()
-            return {
-                "step": self.module.step,
-                "optimizer_step": engine.optimizer_step,
-                "last_timestamp": self.module._last_timestamp,
-                "erased": self.module._erased,
-                "nonfinite_grads": engine.nonfinite_grads,
-                "index": [index["inserts"], index["evictions"], index["failed_inserts"], index["growths"]],
-            }
-        seg = engine.index.segment_stats()[s]
-        return {
-            "step": self.module.step,
-            "optimizer_step": engine.optimizer_steps[s],
-            "last_timestamp": self.module._last_timestamp,
-            "erased": self.module._erased[t],
-            "nonfinite_grads": engine.nonfinite_grads[s],
-            "index": [seg["inserts"], seg["evictions"], seg["failed_inserts"], seg["erased"]],
-        }
+        """The table's counters as a manifest lists them (see docs/format.md)."""
+        c = self.module.table_counters(self.module.table_names[0] if self.table is None else self.table)
+        return {k: c[k] for k in ("step", "optimizer_step", "last_timestamp", "erased", "nonfinite_grads", "index")}
 
     def changes(self) -> ChangeLog:
         """The engine's change log, created (empty) if it had none (a sharded engine's is its
@@ -127,7 +105,7 @@ def entries(model: torch.nn.Module) -> list[Entry]:
     for path, module in model.named_modules():
         if isinstance(module, DynamicTable):
             out.append(Entry(path or "table", path, module, None))
-        elif isinstance(module, _DynamicCollection):
+        elif isinstance(module, DynamicTables):
             for t in module.table_names:
                 out.append(Entry(f"{path}.{t}" if path else t, path, module, t))
     names = [e.name for e in out]

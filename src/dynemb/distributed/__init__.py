@@ -33,7 +33,7 @@ import datetime
 import torch
 
 from dynemb.distributed.comm import Comm, ShardingError, owner_of
-from dynemb.distributed.engine import ShardedGroupEngine, ShardedTableEngine
+from dynemb.distributed.engine import ShardedEngine
 
 __all__ = ["ShardingError", "is_sharded", "owner_of", "shard"]
 
@@ -47,8 +47,9 @@ def _local_config(config, world_size: int):
 
 def is_sharded(module: torch.nn.Module) -> bool:
     """Whether a dynemb table or collection was sharded by :func:`shard`."""
-    engines = getattr(module, "engines", None) or [getattr(module, "engine", None)]
-    return any(getattr(e, "collective", False) for e in engines)
+    from dynemb.nn.tables import DynamicTables
+
+    return isinstance(module, DynamicTables) and any(e.collective for e in module.engines)
 
 
 def shard(module: torch.nn.Module, process_group=None, *, timeout: datetime.timedelta = datetime.timedelta(seconds=60)) -> torch.nn.Module:
@@ -67,12 +68,11 @@ def shard(module: torch.nn.Module, process_group=None, *, timeout: datetime.time
         RuntimeError: torch.distributed is not initialised.
         ValueError: a table holds keys, uses admission, or was sharded already.
     """
-    from dynemb.nn.collection import _DynamicCollection
-    from dynemb.nn.functional import TableEngine
-    from dynemb.nn.group import GroupEngine
+    from dynemb.nn.engine import Engine
     from dynemb.nn.module import DynamicTable
+    from dynemb.nn.tables import DynamicTables
 
-    targets = [(n, m) for n, m in module.named_modules() if isinstance(m, (DynamicTable, _DynamicCollection))]
+    targets = [(n, m) for n, m in module.named_modules() if isinstance(m, DynamicTables)]
     if not targets:
         raise ValueError(f"module={type(module).__name__}: holds no dynemb table to shard")
     for name, m in targets:
@@ -96,12 +96,8 @@ def shard(module: torch.nn.Module, process_group=None, *, timeout: datetime.time
     for name, m in targets:
         # Names for errors; the engines' ids follow this order, the same on every rank.
         where = f"table {name!r}" if name else type(m).__name__
-        if isinstance(m, DynamicTable):
-            old = m.engine
-            m.engine = ShardedTableEngine(TableEngine(_local_config(old.config, W), old.optimizer), comm, where)
-        else:
-            m.engines = [
-                ShardedGroupEngine(GroupEngine([_local_config(c, W) for c in e.configs], e.optimizer), comm, f"{where} tables {[c.name for c in e.configs]}")
-                for e in m.engines
-            ]
+        for g, e in enumerate(m.engines):
+            configs = [_local_config(c, W) for c in e.configs]
+            local = Engine(configs if e.segmented else configs[0], e.optimizer)
+            m.install_engine(g, ShardedEngine(local, comm, where if isinstance(m, DynamicTable) else f"{where} tables {[c.name for c in e.configs]}"))
     return module

@@ -1,7 +1,7 @@
 """Sharded engines: the functional layer of a table (or group of tables) split row-wise by key.
 
-A sharded engine stands where the module expects its engine (``resolve``, ``gather``,
-``apply_gradients``, ``find``, ``apply_pending``, ``write_rows``, ``erase``) and keeps the module's policy code unchanged.
+A :class:`ShardedEngine` implements the engine contract (:mod:`dynemb.nn.base`) explicitly, so
+it stands where the module expects its engine and the module's policy code stays unchanged.
 Each call is collective: every rank calls it with its own unique keys, the keys travel to their
 owners (:func:`dynemb.distributed.comm.owner_of`), each owner runs the local engine (the
 functional layer, never the index or the store directly) on the union of the keys it received,
@@ -15,7 +15,7 @@ not place come back as not placed, and the asking rank reports them as its faile
 
 Each call opens with the ranks' agreement on which call they make (:meth:`Comm.begin`, folded
 into the all-to-all of the call's counts) and ends (:meth:`Comm.end`) right after its last
-collective. Module operations run inside :meth:`_Sharded.collective_op`, which tells the other
+collective. Module operations run inside :meth:`ShardedEngine.collective_op`, which tells the other
 ranks when this rank raised before its first collective (docs/design/0019).
 """
 
@@ -29,8 +29,7 @@ import torch
 from dynemb.distributed.calls import OPS, RAISE_NONFINITE, SCORES, TRAIN, Call, Kind
 from dynemb.distributed.comm import Comm, owner_of
 from dynemb.nn.changes import ChangeLog
-from dynemb.nn.functional import Resolved
-from dynemb.nn.group import GroupResolved
+from dynemb.nn.engine import Engine, Resolved
 from dynemb.table.index import unique_pairs
 from dynemb.types import NonFiniteGrads
 
@@ -60,13 +59,20 @@ class Route:
         return torch.empty_like(answered).index_copy_(0, self.order, answered)
 
 
-class _Sharded:
-    """What the sharded table and group engines share: the local engine, its Comm and the rows
-    of the last resolve / find (``gather`` reads them)."""
+class ShardedEngine:
+    """An :class:`dynemb.nn.engine.Engine` (one table, or a collection's group) split row-wise
+    over a process group: the local engine holds this rank's keys, every call is collective.
+
+    Args:
+        local: this rank's engine (its tables' capacities are this rank's share).
+        comm: the process group's :class:`Comm`.
+        name: this engine in errors.
+        engine_id: its id in call headers (default: registered with ``comm`` now).
+    """
 
     collective = True
 
-    def __init__(self, local, comm: Comm, name: str = "a sharded table", *, engine_id: int | None = None):
+    def __init__(self, local: Engine, comm: Comm, name: str = "a sharded table", *, engine_id: int | None = None):
         self.local = local
         self.comm = comm
         # This engine in call headers and errors: ids are given in shard()'s order, the same on
@@ -74,7 +80,96 @@ class _Sharded:
         self.id = comm.register(name) if engine_id is None else engine_id
         self._rows_data: torch.Tensor | None = None
 
-    def rebuilt(self, local) -> _Sharded:
+    @property
+    def configs(self):
+        """This rank's share of the tables."""
+        return self.local.configs
+
+    @property
+    def optimizer(self):
+        return self.local.optimizer
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.local.embedding_dim
+
+    @property
+    def state_dim(self) -> int:
+        return self.local.state_dim
+
+    @property
+    def width(self) -> int:
+        return self.local.width
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.local.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
+
+    @property
+    def num_tables(self) -> int:
+        return self.local.num_tables
+
+    @property
+    def segmented(self) -> bool:
+        return self.local.segmented
+
+    @property
+    def version(self) -> int:
+        return self.local.version
+
+    @property
+    def index(self):
+        """This rank's key index (read it; change it through the engine's methods)."""
+        return self.local.index
+
+    @property
+    def store(self):
+        """This rank's row store."""
+        return self.local.store
+
+    @property
+    def nonfinite_grads(self) -> list[int]:
+        return self.local.nonfinite_grads
+
+    @property
+    def optimizer_steps(self) -> list[int]:
+        return self.local.optimizer_steps
+
+    def init_embeddings(self, keys: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        """Initial embeddings of keys: a key's initial row depends on (seed, key) only, so any
+        rank computes it."""
+        return self.local.init_embeddings(keys, segments)
+
+    def export(self, segment: int = 0, chunk_size: int = 1 << 16):
+        """This rank's keys of one table with their rows (not collective)."""
+        return self.local.export(segment, chunk_size)
+
+    def table_stats(self, segment: int = 0) -> dict[str, int | float]:
+        """This rank's figures of one table."""
+        return self.local.table_stats(segment)
+
+    def size(self) -> int:
+        """Keys held by this rank."""
+        return self.local.size()
+
+    def counters(self, segment: int = 0) -> dict[str, object]:
+        return self.local.counters(segment)
+
+    def set_counters(self, segment: int = 0, **counters) -> None:
+        self.local.set_counters(segment, **counters)
+
+    def fresh(self) -> ShardedEngine:
+        """This sharded engine (same Comm and id) over an empty local engine (a load fills it)."""
+        return self.rebuilt(self.local.fresh())
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.local.to(device, dtype)
+
+    def rebuilt(self, local) -> ShardedEngine:
         """This sharded engine (same Comm and id) over another local engine (a checkpoint load
         builds a fresh one)."""
         return type(self)(local, self.comm, engine_id=self.id)
@@ -111,17 +206,9 @@ class _Sharded:
     def _call(self, kind: Kind, flags: int = 0) -> Call:
         return Call(kind, self.id, flags)
 
-    def __getattr__(self, name):
-        # Everything else (config, optimizer, index, store, version, stats, export, ...) is the
-        # local shard's.
-        if name == "local":
-            raise AttributeError(name)
-        return getattr(self.local, name)
-
     def __setattr__(self, name: str, value) -> None:
-        # Reads of other names go to the local engine, so a write would land here, unseen by it:
-        # a checkpoint once set its change log this way and every sharded delta came out empty.
-        # The local engine's state changes through its own methods (track_changes, to, ...).
+        # A sharded engine's state is its local engine's: a write here would go unseen by it (a
+        # checkpoint once set its change log this way and every sharded delta came out empty).
         if name not in ("local", "comm", "id", "_rows_data"):
             raise AttributeError(f"{type(self).__name__}.{name}: a sharded engine's state is its local engine's; change it through that engine's methods")
         object.__setattr__(self, name, value)
@@ -156,11 +243,6 @@ class _Sharded:
         route = Route(self.comm, keys, call)
         return route, route.out(keys), None if segs is None else route.out(segs)
 
-    @staticmethod
-    def _seg(segs: torch.Tensor | None) -> tuple:
-        """The segments argument of a local engine call: a group engine takes them, a table's not."""
-        return () if segs is None else (segs,)
-
     def _resolve(self, keys, segs, *, train, now, counts, insertable, scores, evicted_contents, init_rows):
         if insertable is not None:
             raise NotImplementedError("admission on a sharded table: the admission counters would be per rank (shard() refuses it)")
@@ -175,7 +257,7 @@ class _Sharded:
         if scores is not None:
             rscores = route.out(scores)
             uscores = torch.full_like(uk, torch.iinfo(torch.int64).min).scatter_reduce_(0, inv, rscores, reduce="amax")
-        r = self.local.resolve(uk, *self._seg(us), train=train, now=now, counts=ucounts, scores=uscores, evicted_contents=evicted_contents, init_rows=init_rows)
+        r = self.local.resolve(uk, us, train=train, now=now, counts=ucounts, scores=uscores, evicted_contents=evicted_contents, init_rows=init_rows)
         # Only the embedding columns travel: the asking rank never reads optimizer state.
         data = self.local.gather(r.rows)[:, : self.local.embedding_dim]
         flags = torch.stack([r.ok, r.found, r.inserted], 1).to(torch.uint8).index_select(0, inv)  # [R, 3]
@@ -190,7 +272,7 @@ class _Sharded:
     def _find(self, keys, segs):
         route, rkeys, rsegs = self._routed(self._call(Kind.FIND), keys, segs)
         uk, us, inv = self._dedup(rkeys, rsegs)
-        rows, found = self.local.find(uk, *self._seg(us))
+        rows, found = self.local.find(uk, us)
         data = route.back(self.local.gather(rows)[:, : self.local.embedding_dim].index_select(0, inv))
         found = route.back(found.to(torch.uint8).index_select(0, inv)).bool()
         self.comm.end()
@@ -215,17 +297,17 @@ class _Sharded:
         route, rkeys, rsegs = self._routed(self._call(Kind.WRITE_ROWS), keys, segs)
         rvalues = route.out(values)
         self.comm.end()
-        rows, found = self.local.find(rkeys, *self._seg(rsegs))
+        rows, found = self.local.find(rkeys, rsegs)
         sel = found.nonzero().squeeze(1)
-        placed_segs = self._seg(None if rsegs is None else rsegs.index_select(0, sel))
-        self.local.write_rows(rkeys.index_select(0, sel), *placed_segs, rows.index_select(0, sel), rvalues.index_select(0, sel))
+        placed_segs = None if rsegs is None else rsegs.index_select(0, sel)
+        self.local.write_rows(rkeys.index_select(0, sel), rows.index_select(0, sel), rvalues.index_select(0, sel), segments=placed_segs)
 
     def _erase(self, keys, segs, evicted_contents: bool):
         """Each key to its owner, which erases it (and reports it: evict hooks and
         ``last_evicted_keys`` of the owning rank, as for evictions); ``found`` [N] comes back to
         the rank that asked."""
         route, rkeys, rsegs = self._routed(self._call(Kind.ERASE), keys, segs)
-        r, contents = self.local.erase(rkeys, *self._seg(rsegs), evicted_contents=evicted_contents)
+        r, contents = self.local.erase(rkeys, rsegs, evicted_contents=evicted_contents)
         found = route.back(r.found.to(torch.uint8)).bool()
         self.comm.end()
         return dataclasses.replace(r, found=found), contents
@@ -246,11 +328,11 @@ class _Sharded:
         rgrads = route.out(grads)
         uk, us, inv = self._dedup(rkeys, rsegs)
         gsum = grads.new_zeros((uk.numel(), grads.shape[1])).index_add_(0, inv, rgrads)
-        found_rows, _ = self.local.find(uk, *self._seg(us))
-        kw = {"nonfinite": nonfinite} if us is None else {"nonfinite": nonfinite, "stepped": stepped}
+        found_rows, _ = self.local.find(uk, us)
+        kw = {"segments": us, "nonfinite": nonfinite, "stepped": stepped}
         if not raising:
             self.comm.end()
-            return self.local.apply_gradients(uk, *self._seg(us), found_rows, gsum, **kw)
+            return self.local.apply_gradients(uk, found_rows, gsum, **kw)
         ended = []
 
         def agree(bad: bool) -> bool:
@@ -264,63 +346,42 @@ class _Sharded:
             return anyone
 
         kw["agree"] = agree
-        skipped = self.local.apply_gradients(uk, *self._seg(us), found_rows, gsum, **kw)
+        skipped = self.local.apply_gradients(uk, found_rows, gsum, **kw)
         if not ended:
             # The local engine returned before screening (a frozen table): so did every rank.
             self.comm.end()
         return skipped
 
 
-class ShardedTableEngine(_Sharded):
-    """A :class:`dynemb.nn.functional.TableEngine` split row-wise over a process group."""
-
-    def resolve(self, keys, *, train, now, counts=None, insertable=None, scores=None, evicted_contents=False, init_rows=True) -> Resolved:
+    def resolve(self, keys, segments=None, *, train, now, counts=None, insertable=None, scores=None, evicted_contents=False, init_rows=True) -> Resolved:
+        """The contract's resolve, collectively: each key resolved by its owner."""
         r, rows, found, inserted, failed = self._resolve(
-            keys, None, train=train, now=now, counts=counts, insertable=insertable, scores=scores,
-            evicted_contents=evicted_contents, init_rows=init_rows,
-        )  # fmt: skip
-        return Resolved(keys, rows, found, inserted, r.evicted_keys, r.evicted, keys[failed])
+            keys, segments, train=train, now=now, counts=counts, insertable=insertable, scores=scores, evicted_contents=evicted_contents, init_rows=init_rows
+        )
+        # Evicted keys are the owner's (its hooks and last_evicted_keys report them).
+        failed_segments = None if segments is None else segments[failed]
+        return Resolved(keys, rows, found, inserted, r.evicted_keys, r.evicted, keys[failed], segments, r.evicted_segments, failed_segments)
 
-    def find(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._find(keys, None)
-
-    def write_rows(self, keys, rows, values) -> None:
-        self._write_rows(keys, None, values)
-
-    def erase(self, keys, *, evicted_contents=False):
-        return self._erase(keys, None, evicted_contents)
-
-    def apply_gradients(self, keys, rows, grads, *, data=None, version=None, nonfinite=NonFiniteGrads.SKIP) -> int:
-        return self._apply(keys, None, rows, grads, nonfinite)
-
-    def apply_pending(self, keys, grads, *, nonfinite=NonFiniteGrads.SKIP) -> int:
-        return self._apply(keys, None, torch.zeros_like(keys), grads, nonfinite, kind=Kind.PENDING)
-
-
-class ShardedGroupEngine(_Sharded):
-    """A :class:`dynemb.nn.group.GroupEngine` split row-wise over a process group."""
-
-    def resolve(self, keys, segments, *, train, now, counts=None, insertable=None, scores=None, evicted_contents=False, init_rows=True) -> GroupResolved:
-        r, rows, found, inserted, failed = self._resolve(
-            keys, segments, train=train, now=now, counts=counts, insertable=insertable, scores=scores,
-            evicted_contents=evicted_contents, init_rows=init_rows,
-        )  # fmt: skip
-        return GroupResolved(keys, segments, rows, found, inserted, r.evicted_keys, r.evicted_segments, r.evicted, keys[failed], segments[failed])
-
-    def find(self, keys: torch.Tensor, segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def find(self, keys: torch.Tensor, segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return self._find(keys, segments)
 
-    def write_rows(self, keys, segments, rows, values) -> None:
+    def write_rows(self, keys, rows, values, *, segments=None) -> None:
         self._write_rows(keys, segments, values)
 
-    def erase(self, keys, segments, *, evicted_contents=False):
+    def erase(self, keys, segments=None, *, evicted_contents=False):
         return self._erase(keys, segments, evicted_contents)
 
-    def apply_gradients(self, keys, segments, rows, grads, *, data=None, version=None, nonfinite=NonFiniteGrads.SKIP, stepped=None) -> int:
+    def apply_gradients(self, keys, rows, grads, *, segments=None, data=None, version=None, nonfinite=NonFiniteGrads.SKIP, stepped=None) -> int:
         return self._apply(keys, segments, rows, grads, nonfinite, stepped)
 
-    def apply_pending(self, keys, segments, grads, *, nonfinite=NonFiniteGrads.SKIP) -> int:
-        if segments is None:
+    def apply_pending(self, keys, grads, *, segments=None, nonfinite=NonFiniteGrads.SKIP) -> int:
+        if segments is None and self.segmented:
             # An empty accumulator has no segments yet: every rank must still send them.
             segments = torch.zeros_like(keys)
-        return self._apply(keys, segments, torch.zeros_like(keys), grads, nonfinite, kind=Kind.PENDING)
+        rows = torch.zeros_like(keys)
+        return self._apply(keys, segments, rows, grads, nonfinite, kind=Kind.PENDING)
+
+
+# The former twins' names.
+ShardedTableEngine = ShardedEngine
+ShardedGroupEngine = ShardedEngine

@@ -11,8 +11,10 @@ import torch
 
 
 class Lookup:
-    """What one training forward hands its backward: the table, the unique keys [U], their rows
-    [U] (-1 where not in the table), the gathered rows [U, D+S] and the engine version then.
+    """What one training forward hands its backward: the module, the unique keys [U], their rows
+    [U] (-1 where not in the table), the gathered rows [U, D+S], the engine version then, and
+    for a collection's group its index ``group``, the table of each key ``segments`` [U] and the
+    grouping (order [N], starts [U]) of the ids by key when the de-duplication gave it.
 
     A fused lookup's gradient is applied once: the fused update changes the table, so a second
     backward through the same graph (``retain_graph=True``) raises instead of applying the
@@ -20,12 +22,25 @@ class Lookup:
     second backward adds it again, as for a dense parameter's ``.grad``.
     """
 
-    __slots__ = ("applied", "data", "keys", "repeatable", "rows", "table", "version")
+    __slots__ = ("applied", "data", "group", "grouping", "keys", "repeatable", "rows", "segments", "table", "version")
 
-    def __init__(self, table, keys: torch.Tensor, rows: torch.Tensor, data: torch.Tensor, version: int, repeatable: bool = False):
+    def __init__(
+        self,
+        table,
+        keys: torch.Tensor,
+        rows: torch.Tensor,
+        data: torch.Tensor,
+        version: int,
+        repeatable: bool = False,
+        *,
+        group: int = 0,
+        segments: torch.Tensor | None = None,
+        grouping: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
         self.table, self.keys, self.rows, self.data, self.version = table, keys, rows, data, version
         self.applied = False
         self.repeatable = repeatable
+        self.group, self.segments, self.grouping = group, segments, grouping
 
     def apply(self, grad_u: torch.Tensor | None = None, inverse: torch.Tensor | None = None, grad: torch.Tensor | None = None) -> None:
         """Apply grad_u [U, D], or sum grad [N, D] per key by inverse [N] first."""
@@ -36,7 +51,7 @@ class Lookup:
                 "Run a new forward for each backward."
             )
         self.applied = True
-        self.table._apply_lookup_gradients(self, grad_u, inverse, grad)
+        self.table.apply_lookup_gradients(self, grad_u, inverse, grad)
         # The table no longer needs the rows: free them with the graph's first backward.
         self.data = None
 

@@ -20,16 +20,15 @@ def collective(op: str) -> Callable:
     def wrap(method: Callable) -> Callable:
         @functools.wraps(method)
         def call(self, *args, **kwargs):
-            engine = self.engine if "engines" not in self.__dict__ else self.engines[0]
-            guard = getattr(engine, "collective_op", None)
-            if guard is None:
+            engine = self.engines[0]
+            if not engine.collective:
                 return method(self, *args, **kwargs)
             step = self.step
 
             def undo():
                 self.step = step
 
-            with guard(op, undo):
+            with engine.collective_op(op, undo):
                 return method(self, *args, **kwargs)
 
         return call

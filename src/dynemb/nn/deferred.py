@@ -168,16 +168,16 @@ def _gradients(obj, seen: set[int], out: list[torch.Tensor]) -> None:
             take(p.grad)
         for m in obj.modules():
             if isinstance(m, DeferredOwner):
-                take(m._deferred_grad())
+                take(m.deferred_grad())
     elif isinstance(obj, RowOptimizer):
         for owner in obj.deferred_owners():
-            take(owner._deferred_grad())
+            take(owner.deferred_grad())
     elif isinstance(obj, torch.optim.Optimizer):
         for group in obj.param_groups:
             for p in group["params"]:
                 take(p.grad)
     elif isinstance(obj, DeferredOwner):
-        take(obj._deferred_grad())
+        take(obj.deferred_grad())
     elif isinstance(obj, Iterable) and not isinstance(obj, (str, bytes)):
         for item in obj:
             _gradients(item, seen, out)

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from dynemb.config import TableConfig
 from dynemb.nn.collective import collective
-from dynemb.nn.module import DynamicTable, as_ids
+from dynemb.nn.inputs import as_ids
+from dynemb.nn.module import DynamicTable
 from dynemb.optim.base import RowOptimizer
 from dynemb.types import PoolingMode, UpdateMode
 

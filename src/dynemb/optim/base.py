@@ -8,13 +8,13 @@ Fused tables apply :meth:`RowOptimizer.update` in backward. Deferred ones (``upd
 docs/design/0011-deferred-updates.md) only accumulate the gradient in backward and register with
 their optimizer as a *deferred owner*, an object with three methods (:class:`DeferredOwner`):
 
-* ``_deferred_apply()``: apply one optimizer step to its rows with the pending gradient and
+* ``deferred_step()``: apply one optimizer step to its rows with the pending gradient and
   clear it (nothing at all when nothing is pending); called by ``optimizer.step()``.
-* ``_deferred_clear()``: drop the pending gradient without applying it; called by
+* ``deferred_clear()``: drop the pending gradient without applying it; called by
   ``optimizer.zero_grad()``.
-* ``_deferred_grad() -> Tensor | list[Tensor] | None``: the pending gradient [P, D] itself (not
+* ``deferred_grad() -> Tensor | list[Tensor] | None``: the pending gradient [P, D] itself (not
   a copy; a list when the owner keeps several, e.g. one per group of a collection), so in-place
-  scaling (clipping, ``GradScaler.unscale_``) changes what ``_deferred_apply`` applies; ``None``
+  scaling (clipping, ``GradScaler.unscale_``) changes what ``deferred_step`` applies; ``None``
   when the object does not defer (a fused table).
 
 An owner registers with :meth:`RowOptimizer.register_deferred` together with a placeholder
@@ -87,11 +87,11 @@ class DeferredOwner(Protocol):
     """What a :class:`RowOptimizer` calls on the objects (tables, collections) that defer their
     updates to ``step()``; see the module docstring."""
 
-    def _deferred_apply(self) -> None: ...
+    def deferred_step(self) -> None: ...
 
-    def _deferred_clear(self) -> None: ...
+    def deferred_clear(self) -> None: ...
 
-    def _deferred_grad(self) -> torch.Tensor | list[torch.Tensor] | None: ...
+    def deferred_grad(self) -> torch.Tensor | list[torch.Tensor] | None: ...
 
 
 class RowOptimizer(torch.optim.Optimizer, abc.ABC):
@@ -151,7 +151,7 @@ class RowOptimizer(torch.optim.Optimizer, abc.ABC):
                 the same pair again does nothing.
         """
         if not isinstance(owner, DeferredOwner):
-            raise TypeError(f"owner={owner!r}: must implement _deferred_apply, _deferred_clear and _deferred_grad")
+            raise TypeError(f"owner={owner!r}: must implement deferred_step, deferred_clear and deferred_grad")
         if not isinstance(placeholder, torch.nn.Parameter):
             raise TypeError(f"placeholder={placeholder!r}: must be a torch.nn.Parameter")
         if any(ref() is owner and p is placeholder for ref, p in self._owners):
@@ -265,7 +265,7 @@ class RowOptimizer(torch.optim.Optimizer, abc.ABC):
             with torch.enable_grad():
                 loss = closure()
         for owner in self.deferred_owners():
-            owner._deferred_apply()
+            owner.deferred_step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -276,7 +276,7 @@ class RowOptimizer(torch.optim.Optimizer, abc.ABC):
                 empty ([0, D]).
         """
         for owner in self.deferred_owners():
-            owner._deferred_clear()
+            owner.deferred_clear()
 
     def state_dict(self) -> dict[str, Any]:
         """``{"state": {}, "param_groups": [{hyper-parameters..., "params": []}]}``.

@@ -1,0 +1,145 @@
+"""The engine contract: what an engine offers the modules, the distributed layer and checkpoints.
+
+T tables of the engine (segments of its index), U unique keys of a call, N keys, E keys that
+leave, K keys held, D embedding dim, S optimizer state columns (W = D + S).
+
+An engine holds one or more tables that share embedding dim, dtype, device, bucket width, score
+strategy and non-finite policy: one index (each table a segment), one row store, one fused
+optimizer with a step count per table. A plain table is an engine of one table. Keys of a call
+are given with their ``segments`` ([N] int64, the table of each key); ``None`` means table 0
+and is the fast path of a one-table engine.
+
+Two classes implement it: :class:`dynemb.nn.engine.Engine` (this process holds every key) and
+:class:`dynemb.distributed.engine.ShardedEngine` (keys split row-wise over a process group; every
+call is collective). Modules, checkpoints and the distributed layer use only these names; none
+reaches into an engine's index, store or private attributes to change them.
+
+An engine applies no policy (check mode, admission, hooks, eval defaults are the module's),
+takes the clock as an argument (``now``) and holds no lock: its owner serialises calls
+(docs/design/0008-threading.md). See docs/design/0024-one-engine.md for the picture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from dynemb.config import TableConfig
+from dynemb.nn.changes import ChangeLog
+from dynemb.optim.base import RowOptimizer
+from dynemb.types import NonFiniteGrads
+
+
+@runtime_checkable
+class EngineContract(Protocol):
+    """The one door to a group of tables' keys and rows.
+
+    Attributes:
+        configs (list[TableConfig]): [T] the tables (on a sharded engine: this rank's share).
+        optimizer (RowOptimizer | None): the fused optimizer (None: frozen tables).
+        embedding_dim, state_dim, width (int): D, S and W = D + S.
+        dtype, device: of the rows.
+        version (int): bumped by every write to rows or index (a backward re-finds its keys
+            when it changed since its forward).
+        collective (bool): every call is a collective over a process group (sharded).
+    """
+
+    configs: list[TableConfig]
+    optimizer: RowOptimizer | None
+    embedding_dim: int
+    state_dim: int
+    width: int
+    version: int
+    collective: bool
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def num_tables(self) -> int: ...
+
+    def resolve(
+        self,
+        keys: torch.Tensor,
+        segments: torch.Tensor | None = None,
+        *,
+        train: bool,
+        now: int | None,
+        counts: torch.Tensor | None = None,
+        insertable: torch.Tensor | None = None,
+        scores: torch.Tensor | None = None,
+        evicted_contents: bool = False,
+        init_rows: bool = True,
+    ):
+        """Row ids of unique (segment, key) pairs ``keys`` [U] (sorted by segment, then key);
+        in training, missing keys are inserted (``insertable`` [U] bool: admission) and
+        initialised. Returns a :class:`dynemb.nn.engine.Resolved`."""
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows [U, W] of row ids [U] of the last resolve / find (-1: undefined values); a
+        sharded engine returns the embeddings [U, D] only."""
+
+    def init_embeddings(self, keys: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        """Initial embeddings [N, D] of keys [N], each by its table's initialiser."""
+
+    def find(self, keys: torch.Tensor, segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row ids [N] (-1 where absent) and found [N] of keys [N], without side effects."""
+
+    def apply_gradients(
+        self,
+        keys: torch.Tensor,
+        rows: torch.Tensor,
+        grads: torch.Tensor,
+        *,
+        segments: torch.Tensor | None = None,
+        data: torch.Tensor | None = None,
+        version: int | None = None,
+        nonfinite: NonFiniteGrads = NonFiniteGrads.SKIP,
+    ) -> int:
+        """One fused optimizer step on the rows [U] of distinct keys [U] with gradients [U, D];
+        returns the number of keys skipped for a non-finite gradient or update."""
+
+    def apply_pending(self, keys: torch.Tensor, grads: torch.Tensor, *, segments: torch.Tensor | None = None, nonfinite: NonFiniteGrads = NonFiniteGrads.SKIP) -> int:
+        """One optimizer step with deferred gradients [P, D] of distinct keys [P]; keys that
+        left since are skipped; nothing at all (not even a step count) when no key is given."""
+
+    def write_rows(self, keys: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, *, segments: torch.Tensor | None = None) -> None:
+        """Overwrite the rows [N] of keys [N] (just resolved) with values [N, D] or [N, W]."""
+
+    def erase(self, keys: torch.Tensor, segments: torch.Tensor | None = None, *, evicted_contents: bool = False):
+        """Remove keys [N]; returns the index result (``found`` [N], keys that left [E]) and
+        the contents of their rows when asked."""
+
+    def export(self, segment: int = 0, chunk_size: int = 1 << 16) -> Iterator[dict[str, torch.Tensor]]:
+        """One table's keys [K] with ``embeddings`` [K, D], ``optimizer_state`` [K, S] and
+        ``scores`` [K], in chunks (this rank's keys on a sharded engine)."""
+
+    def table_stats(self, segment: int = 0) -> dict[str, int | float]:
+        """One table's index figures: size, capacity, current_capacity, load_factor, inserts,
+        evictions, failed_inserts (and growths / erased)."""
+
+    def counters(self, segment: int = 0) -> dict[str, object]:
+        """One table's counters for a checkpoint: optimizer_step, nonfinite_grads, index (the
+        four index counters), generator (the initialiser's generator)."""
+
+    @property
+    def changes(self) -> ChangeLog | None:
+        """Rows touched and keys that left since the last checkpoint, None when not tracked."""
+
+    def track_changes(self) -> ChangeLog:
+        """Start (or keep) the change log that checkpoint deltas read."""
+
+    def agree(self, what: str, problem: str | None, **fields) -> list[dict] | None:
+        """Every rank's ``fields`` of a call with caller-checked input (sharded); None when local."""
+
+    def collective_op(self, op: str, undo: Callable[[], None] | None = None) -> contextlib.AbstractContextManager:
+        """Context of a module operation that makes collective calls (a null context when local)."""
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Move index and rows to ``device`` and rows to ``dtype``."""
