@@ -176,7 +176,8 @@ def _write_table(writer: _files.Writer, e: Entry, chunk_rows: int, *, delta: boo
 
 def _comm_of(es: list[Entry]):
     """The Comm of a sharded model's tables (None when unsharded); all or none must be sharded."""
-    comms = {id(getattr(e.engine, "comm", None)): getattr(e.engine, "comm", None) for e in es}
+    of = [e.engine.comm if e.engine.collective else None for e in es]
+    comms = {id(c): c for c in of}
     if len(comms) == 1:
         return next(iter(comms.values()))
     found = [c for c in comms.values() if c is not None]
