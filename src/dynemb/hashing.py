@@ -92,4 +92,3 @@ def init_bits(keys: torch.Tensor, seed: int, columns: int, out: torch.Tensor | N
 def unit_uniform(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Map 64-bit values to floats uniform on [0, 1) using their top 24 bits ([*] -> [*])."""
     return (_shr(bits, 40).to(dtype)).mul_(2.0**-24)
-
