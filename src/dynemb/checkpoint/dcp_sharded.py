@@ -28,8 +28,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardM
 from dynemb.checkpoint import _comm_of, _current_rows, _install, _locked, _plan_engines
 from dynemb.checkpoint.tables import entries
 from dynemb.distributed.engine import Route
-from dynemb.nn.collection import _DynamicCollection
-from dynemb.nn.module import DynamicTable
+from dynemb.nn import DynamicEmbeddingBagCollection, DynamicEmbeddingCollection, DynamicTable
 
 PREFIX = "dynemb_tables."
 _COUNTERS = ("step", "optimizer_step", "last_timestamp", "erased", "nonfinite_grads")
@@ -37,7 +36,11 @@ _COUNTERS = ("step", "optimizer_step", "last_timestamp", "erased", "nonfinite_gr
 
 def table_prefixes(module: torch.nn.Module) -> tuple[str, ...]:
     """state_dict prefixes of every dynemb table or collection in ``module`` (both DCP paths)."""
-    return tuple(f"{path}." if path else "" for path, m in module.named_modules() if isinstance(m, (DynamicTable, _DynamicCollection)))
+    return tuple(
+        f"{path}." if path else ""
+        for path, m in module.named_modules()
+        if isinstance(m, (DynamicTable, DynamicEmbeddingBagCollection, DynamicEmbeddingCollection))
+    )
 
 
 def is_sharded_model(module: torch.nn.Module) -> bool:
