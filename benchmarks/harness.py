@@ -122,9 +122,7 @@ def wait_quiet(timeout: float) -> float | None:
     return share
 
 
-def quiet_repeats(
-    run_repeat: Callable[[int], tuple[dict, list]], repeats: int, max_retries: int, log=print
-) -> tuple[list[dict], dict]:
+def quiet_repeats(run_repeat: Callable[[int], tuple[dict, list]], repeats: int, max_retries: int, log=print) -> tuple[list[dict], dict]:
     """Call ``run_repeat(attempt)`` until ``repeats`` attempts ran on a quiet machine.
 
     ``run_repeat`` returns its result and the share of CPU time other processes used during each

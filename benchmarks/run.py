@@ -76,9 +76,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         metavar="SECONDS",
         help="first wait up to SECONDS for other processes to leave the CPUs idle",
     )
-    p.add_argument(
-        "--update-docs", action="store_true", help=f"rewrite the results section of {DOCS.relative_to(harness.REPO)}"
-    )
+    p.add_argument("--update-docs", action="store_true", help=f"rewrite the results section of {DOCS.relative_to(harness.REPO)}")
     args = p.parse_args(argv)
     for name, least in (("steps", 1), ("repeats", 1), ("max_retries", 0)):
         value = getattr(args, name)
@@ -231,19 +229,10 @@ def _w1_lines(workload: str, records: list[dict]) -> list[str]:
         rows = []
         for phase, per_case in by_phase.items():
             depth = phase.count("/")
-            name = (
-                "· " * depth
-                + phase.rsplit("/", 1)[-1]
-                + (" (own)" if any(p.startswith(phase + "/") for p in by_phase) else "")
-            )
-            cells = [
-                f"{per_case[c]['median'] * 1e3:.1f} ({per_case[c]['extra']['share']:.0%})" if c in per_case else ""
-                for c in cases
-            ]
+            name = "· " * depth + phase.rsplit("/", 1)[-1] + (" (own)" if any(p.startswith(phase + "/") for p in by_phase) else "")
+            cells = [f"{per_case[c]['median'] * 1e3:.1f} ({per_case[c]['extra']['share']:.0%})" if c in per_case else "" for c in cases]
             rows.append([name] + cells)
-        totals = [
-            f"{sum(per_case[c]['median'] for per_case in by_phase.values() if c in per_case) * 1e3:.1f}" for c in cases
-        ]
+        totals = [f"{sum(per_case[c]['median'] for per_case in by_phase.values() if c in per_case) * 1e3:.1f}" for c in cases]
         rows.append(["**sum**"] + totals)
         lines.append(harness.markdown_table(header, rows))
     return lines
@@ -268,9 +257,7 @@ def _reexec_with_allocator(choice: str) -> None:
     if choice == "jemalloc":
         path = next((p for p in JEMALLOC_PATHS if os.path.exists(p)), None)
         if path is None:
-            sys.exit(
-                f"--allocator jemalloc: libjemalloc.so.2 not found in {JEMALLOC_PATHS} (apt-get install libjemalloc2)"
-            )
+            sys.exit(f"--allocator jemalloc: libjemalloc.so.2 not found in {JEMALLOC_PATHS} (apt-get install libjemalloc2)")
         env["LD_PRELOAD"] = path
     else:
         env["GLIBC_TUNABLES"] = GLIBC_KEEP

@@ -145,7 +145,7 @@ def run(cfg: W4Config, env: dict, log=print) -> list[dict]:
         del tensors
         settle()
         for repeat in range(cfg.repeats):
-            for name in (["load", "torch.load"] if repeat % 2 == 0 else ["torch.load", "load"]):
+            for name in ["load", "torch.load"] if repeat % 2 == 0 else ["torch.load", "load"]:
                 settle()
                 t0 = time.perf_counter()
                 if name == "load":
@@ -192,5 +192,8 @@ if __name__ == "__main__":
     for r in recs:
         r["command"] = env["command"]
         ratio = r.get("ratio")
-        print(f"{r['workload']} {r['case']:<12} {r['contender']:<24} median {r['median']:.3f} {r['unit']}" + (f"  ratio {ratio['median']:.2f} [{ratio['min']:.2f}, {ratio['max']:.2f}] vs {ratio['vs']}" if ratio else ""))
+        print(
+            f"{r['workload']} {r['case']:<12} {r['contender']:<24} median {r['median']:.3f} {r['unit']}"
+            + (f"  ratio {ratio['median']:.2f} [{ratio['min']:.2f}, {ratio['max']:.2f}] vs {ratio['vs']}" if ratio else "")
+        )
     append_jsonl(Path(args.out), recs)

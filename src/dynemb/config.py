@@ -33,7 +33,10 @@ def resolve_device(device: torch.device | str, field: str = "device") -> torch.d
     return device
 
 
-_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+# The dtypes a table's rows may have.
+ROW_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+# issue 16: the old private name, still imported by nn/moves.py; removed by the engine refactor.
+_DTYPES = ROW_DTYPES
 
 
 def _require_int(field: str, value, minimum: int) -> None:
@@ -194,7 +197,7 @@ class TableConfig:
         _require(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed", self.seed, "must be an int")
         # 16-bit rows are updated in float32 (RowOptimizer.update_rows), so float16's range does
         # not lose the optimizers' eps; the float8 types have no arithmetic (docs/design/0021).
-        _require(self.dtype in _DTYPES, "dtype", self.dtype, "must be torch.float32, torch.float64, torch.bfloat16 or torch.float16")
+        _require(self.dtype in ROW_DTYPES, "dtype", self.dtype, "must be torch.float32, torch.float64, torch.bfloat16 or torch.float16")
         object.__setattr__(self, "device", resolve_device(self.device))
         object.__setattr__(self, "nonfinite_grads", NonFiniteGrads.parse(self.nonfinite_grads, "nonfinite_grads"))
         _require(self.name is None or (isinstance(self.name, str) and self.name != ""), "name", self.name, "must be a non-empty str or None")

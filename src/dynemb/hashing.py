@@ -7,7 +7,10 @@ Uses and their bits (independent, so e.g. rank routing does not starve buckets):
     bucket 1    high 32 bits of mix(key)           (multiply-shift onto [0, B))
     bucket 2    high 32 bits of mix(mix(key))      (the second choice of two-choice hashing)
     rank        low 32 bits of mix(key)            (multiply-shift onto [0, R))
-    init        mix(mix(key ^ seed') + column)    (a second round, seeded)
+    init        mix(key ^ salt) * (mix(column ^ ~salt) | 1), salt from the seed: 64 bits per
+                (key, column) (init_bits); storage/initializers.py asks for ceil(D/2) columns
+                and takes two uniforms from each value, one from its leading bits, one from
+                bits 0..39 shifted up
 """
 
 from __future__ import annotations
@@ -70,18 +73,20 @@ def rank_of(mixed: torch.Tensor, world_size: int) -> torch.Tensor:
 def init_bits(keys: torch.Tensor, seed: int, columns: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Per (key, column) 64 pseudo-random bits that depend on (seed, key, column) only.
 
-    The key is mixed once, then multiplied by a distinct odd constant per column (multiplicative
-    hashing): one int64 multiply per value, which is what makes per-key initialisation cheap.
-    Use the high bits (as :func:`unit_uniform` does): low bits of a product only depend on low
-    bits of its factors.
+    The key (xor a salt derived from the seed) is mixed once, then multiplied by a distinct odd
+    constant per column, itself the mixed column index (multiplicative hashing): one int64
+    multiply per value, which is what makes per-key initialisation cheap. Prefer the high bits
+    (as :func:`unit_uniform` does): the low k bits of a product depend only on the low k bits of
+    its factors (both factors are mixed, so bits 16..39, which the initializer's second uniform
+    uses, still depend on the whole key).
 
     Args:
         keys (Tensor[int64]): [N]
         seed: any int.
-        columns: D.
-        out (Tensor[int64] | None): [N, D] to write into.
+        columns: C values per key (the initializer asks for C = ceil(D/2)).
+        out (Tensor[int64] | None): [N, C] to write into.
     Returns:
-        Tensor[int64]: [N, D]
+        Tensor[int64]: [N, C]
     """
     salt = _signed((seed * _GOLDEN + 0x632BE59BD9B4E019) & ((1 << 64) - 1))
     base = mix64(keys ^ salt)  # [N]
@@ -92,4 +97,3 @@ def init_bits(keys: torch.Tensor, seed: int, columns: int, out: torch.Tensor | N
 def unit_uniform(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Map 64-bit values to floats uniform on [0, 1) using their top 24 bits ([*] -> [*])."""
     return (_shr(bits, 40).to(dtype)).mul_(2.0**-24)
-

@@ -122,7 +122,7 @@ def train(model: torch.nn.Module, steps) -> list[torch.Tensor]:
     return outs
 
 
-# -- reading tables through the public API --------------------------------------------------------
+# Reading tables through the public API.
 
 
 def tables_of(model: torch.nn.Module) -> dict:

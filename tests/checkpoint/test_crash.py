@@ -49,9 +49,6 @@ def make_model() -> Model:
     return Model("adam", "step", admission=True)
 
 
-# -- the saving job ------------------------------------------------------------------------------
-
-
 def job(root: Path, iterations: int = 1000) -> None:
     """Train and save forever (until killed), logging each save to root/log."""
     torch.set_num_threads(1)
@@ -160,7 +157,7 @@ class _Patched:
         return self._attrs.get(name) or getattr(self._module, name)
 
 
-# -- checking what a killed job left -------------------------------------------------------------
+# Checking what a killed job left.
 
 
 def read_log(root: Path) -> list[tuple[str, str, str]]:

@@ -30,7 +30,7 @@ from ckpt_models import (
 
 import dynemb
 
-# -- a reader written from docs/format.md ----------------------------------------------------------
+# A reader written from docs/format.md.
 
 
 def _manifest(directory: Path) -> dict:
@@ -99,7 +99,7 @@ def read_checkpoint(path) -> tuple[dict, dict]:
     return chain[-1][1], tables
 
 
-# -- the reader against the model -------------------------------------------------------------------
+# The reader against the model.
 
 
 STATE_COLUMNS = {"SGD": lambda D: 0, "Adagrad": lambda D: D, "RowWiseAdagrad": lambda D: 1, "Adam": lambda D: 2 * D}
@@ -198,7 +198,7 @@ def test_a_single_table_at_the_root_is_named_table(tmp_path):
     assert list(tables) == ["table"] and manifest["tables"]["table"]["module"] == ""
 
 
-# -- integrity: every file checked before any table changes ----------------------------------------
+# Integrity: every file is checked before any table changes.
 
 
 @pytest.fixture(scope="module")

@@ -65,7 +65,6 @@ def pristine(tmp_path_factory):
     return root, expected, victim, digest(victim)
 
 
-# -- mutations -----------------------------------------------------------------------------------
 # Each takes (rng, checkpoint dir) and returns a short description; one family per function.
 
 
@@ -307,9 +306,6 @@ def edit_sealed(rng, d):
 
 
 MUTATIONS = [flip_bytes, flip_bytes, truncate, append, delete, add_file, swap_files, replace_by_dir, edit_stale, edit_sealed, edit_sealed]
-
-
-# -- the fuzz ------------------------------------------------------------------------------------
 
 
 def _case(pristine, tmp_path, rng, verify: bool) -> tuple[str, str]:

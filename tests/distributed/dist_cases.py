@@ -77,9 +77,6 @@ COLLECTION_OPTIMIZERS = ["adam", "rowwise_adagrad"]
 FEATURE_DIMS = {"fa": 8, "fb": 8, "fb2": 8, "fc": 4}
 
 
-# -- data ----------------------------------------------------------------------------------------
-
-
 def zipf_keys(gen: torch.Generator, n: int) -> torch.Tensor:
     """[n] keys of KEYS drawn with Zipf weights (repeats within a batch and across ranks)."""
     if n == 0:
@@ -148,9 +145,6 @@ def local_features(features: dict, samples: torch.Tensor) -> dict:
 def batch_size(step: int, world: int) -> int:
     """Global batch sizes that are not always a multiple of the world size."""
     return 3 * world - 1 + step % 3
-
-
-# -- checks --------------------------------------------------------------------------------------
 
 
 class Checks:
@@ -265,9 +259,6 @@ def _shard(module, group, **kw):
     got = dynemb.distributed.shard(module, group, timeout=SHARD_TIMEOUT, **kw)
     assert got is module, "shard() must return the module it was given"
     return module
-
-
-# -- single tables -------------------------------------------------------------------------------
 
 
 def make_table(pooled: bool, opt: str, update: str, capacity: int = CAPACITY, **options) -> dynemb.DynamicTable:
@@ -424,9 +415,6 @@ def weighted_bags(worker: Worker, group) -> None:
     check.done()
 
 
-# -- collections ---------------------------------------------------------------------------------
-
-
 def make_collection(pooled: bool, opt: str, update: str, tables: list[TableConfig] | None = None):
     cls = dynemb.DynamicEmbeddingBagCollection if pooled else dynemb.DynamicEmbeddingCollection
     return cls(tables or table_configs(), OPTIMIZERS[opt](), update=update)
@@ -536,9 +524,6 @@ def local_stats(worker: Worker, group) -> None:
     check.done()
 
 
-# -- keys that do not fit ------------------------------------------------------------------------
-
-
 def failed_keys_table(worker: Worker, group) -> None:
     """A shard too small for the keys sent to it (check_mode="count"): each rank's
     last_failed_keys are exactly the keys it asked for that no shard holds."""
@@ -644,9 +629,6 @@ def fill(worker: Worker, group) -> None:
     check.true(f"shards {sizes} hold {total} keys in all: more than 2x the configured capacity {capacity}", total <= 2 * capacity)
     check.true(f"shards {sizes} hold {total} keys, the unsharded table of the same capacity {len(ref)}", total >= 0.9 * len(ref))
     check.done()
-
-
-# -- insert and erase ----------------------------------------------------------------------------
 
 
 def _insert_erase(
@@ -833,9 +815,6 @@ def nonfinite_rows(worker: Worker, group) -> None:
     check.done()
 
 
-# -- a model holding several dynemb modules ------------------------------------------------------
-
-
 class Model(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -875,9 +854,6 @@ def nested_module(worker: Worker, group) -> None:
     for name in TABLE_NAMES:
         check_shards(check, world_group, f"model.seq.col table {name!r}", model.seq["col"].export(name), ref.seq["col"].export(name))
     check.done()
-
-
-# -- the worlds ----------------------------------------------------------------------------------
 
 
 def _cases() -> dict[str, Callable]:

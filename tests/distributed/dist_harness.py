@@ -33,9 +33,6 @@ HERE = Path(__file__).resolve().parent
 _ADDR = "127.0.0.1"
 
 
-# -- the rank side -------------------------------------------------------------------------------
-
-
 class Worker:
     """What a rank's function gets: its rank, the world size, the store, and ``record``."""
 
@@ -116,9 +113,6 @@ def _leave(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-# -- the parent side -----------------------------------------------------------------------------
 
 
 @dataclasses.dataclass

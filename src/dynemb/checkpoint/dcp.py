@@ -33,15 +33,10 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from dynemb.nn.collection import _DynamicCollection
-from dynemb.nn.module import DynamicTable
+from dynemb.checkpoint import dcp_sharded
+from dynemb.checkpoint.dcp_sharded import table_prefixes
 
 __all__ = ["Stateful", "prepare_load"]
-
-
-def _table_prefixes(module: torch.nn.Module) -> tuple[str, ...]:
-    """state_dict prefixes of every dynemb table or collection in ``module``."""
-    return tuple(f"{path}." if path else "" for path, m in module.named_modules() if isinstance(m, (DynamicTable, _DynamicCollection)))
 
 
 class Stateful:
@@ -65,13 +60,11 @@ class Stateful:
         """The module's state_dict; after :func:`prepare_load`, each table entry whose saved size
         differs is an empty tensor of the saved size and dtype, for DCP to load into. A sharded
         model's tables are row-sharded tensors instead (see :mod:`dynemb.checkpoint.dcp_sharded`)."""
-        from dynemb.checkpoint import dcp_sharded
-
         if dcp_sharded.is_sharded_model(self.module):
             return dcp_sharded.state_dict(self.module, self._saved)
         state = self.module.state_dict()
         if self._saved:
-            prefixes = _table_prefixes(self.module)
+            prefixes = table_prefixes(self.module)
             for name, value in state.items():
                 saved = self._saved.get(name)
                 if saved is not None and isinstance(value, torch.Tensor) and name.startswith(prefixes) and (value.shape, value.dtype) != saved:
@@ -79,8 +72,6 @@ class Stateful:
         return state
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        from dynemb.checkpoint import dcp_sharded
-
         self._saved = {}
         if dcp_sharded.is_sharded_model(self.module):
             dcp_sharded.load_state_dict(self.module, state_dict, strict=self.strict)
@@ -124,5 +115,5 @@ def prepare_load(state_dict: dict, checkpoint_id: str | os.PathLike | None = Non
     for key, value in state_dict.items():
         if isinstance(value, Stateful):
             value.template_from(metadata, key)
-        elif isinstance(value, torch.nn.Module) and _table_prefixes(value):
+        elif isinstance(value, torch.nn.Module) and table_prefixes(value):
             raise TypeError(f"state_dict[{key!r}] is a module holding dynemb tables: wrap it as dynemb.checkpoint.dcp.Stateful(module) to load it with DCP")

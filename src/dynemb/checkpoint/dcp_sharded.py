@@ -26,12 +26,21 @@ import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata, init_from_local_shards
 
 from dynemb.checkpoint import _comm_of, _current_rows, _install, _locked, _plan_engines
-from dynemb.checkpoint.dcp import _table_prefixes
 from dynemb.checkpoint.tables import entries
 from dynemb.distributed.engine import Route
+from dynemb.nn import DynamicEmbeddingBagCollection, DynamicEmbeddingCollection, DynamicTable
 
 PREFIX = "dynemb_tables."
 _COUNTERS = ("step", "optimizer_step", "last_timestamp", "erased", "nonfinite_grads")
+
+
+def table_prefixes(module: torch.nn.Module) -> tuple[str, ...]:
+    """state_dict prefixes of every dynemb table or collection in ``module`` (both DCP paths)."""
+    return tuple(
+        f"{path}." if path else ""
+        for path, m in module.named_modules()
+        if isinstance(m, (DynamicTable, DynamicEmbeddingBagCollection, DynamicEmbeddingCollection))
+    )
 
 
 def is_sharded_model(module: torch.nn.Module) -> bool:
@@ -52,7 +61,7 @@ def state_dict(module: torch.nn.Module, saved: dict) -> dict:
     the table entries are empty templates split evenly over the ranks."""
     es = entries(module)
     comm = _comm_of(es)
-    prefixes = _table_prefixes(module)
+    prefixes = table_prefixes(module)
     state = {k: v for k, v in module.state_dict().items() if not k.startswith(prefixes)}
     W, r = dist.get_world_size(), dist.get_rank()
     with _locked(es):
@@ -90,7 +99,7 @@ def load_state_dict(module: torch.nn.Module, state: dict, *, strict: bool = True
     """Send every loaded row to its key's owner, rebuild each rank's tables, copy dense entries."""
     es = entries(module)
     comm = _comm_of(es)
-    prefixes = _table_prefixes(module)
+    prefixes = table_prefixes(module)
     mine = {k: v for k, v in module.state_dict().items() if not k.startswith(prefixes)}
     dense = {k: v for k, v in state.items() if not k.startswith(PREFIX)}
     if strict and set(dense) != set(mine):

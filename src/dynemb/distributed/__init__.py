@@ -18,8 +18,10 @@ batch (docs/design/0015-sharding.md).
 Collective calls (every rank calls them, each with its own keys, the same calls on the same
 tables in the same order): forward and backward of lookups, ``find`` / ``contains``,
 ``optimizer.step()`` of deferred tables, ``insert``, ``erase``, checkpoint saves. Local calls
-(this rank's shard): ``export``, ``stats``, ``len``, ``state_dict``. Not yet on a sharded table:
-admission (it raises). The ranks agree on each call before any data moves: a rank that raised
+(this rank's shard): ``export``, ``stats``, ``len``, ``state_dict``. ``load_state_dict`` raises on
+a sharded table (a state_dict is one rank's shard): ``dynemb.checkpoint.load`` reshards by key.
+``shard`` takes empty tables only (load a checkpoint afterwards) and refuses tables that use
+admission (its counters would be per rank). The ranks agree on each call before any data moves: a rank that raised
 before a call (bad input), or ranks making different calls, make every rank raise with the
 tables unchanged; a rank that leaves a call half-way leaves the ranks out of step, and every
 further collective raises until the model is restored from a checkpoint (docs/design/0019).

@@ -208,8 +208,6 @@ class Comm:
             [r for call, rs in by_call.items() if call != mine for r in rs],
         )
 
-    # -- failure-aware waiting -----------------------------------------------------------------
-
     def _run(self, what: str | Callable[[], str], start):
         """Run one collective (``start()`` returns its Work) with a bounded wait; ``what`` names
         it in errors (a callable: built only then)."""
@@ -282,8 +280,6 @@ class Comm:
         if not self._store.check([full]):
             return 0
         return int(self._store.get(full))
-
-    # -- collectives -----------------------------------------------------------------------------
 
     def exchange(self, tensor: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         """All-to-all of the rows of ``tensor`` [sum(send), *]: ``send[r]`` rows to rank r;

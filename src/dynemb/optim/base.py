@@ -138,8 +138,6 @@ class RowOptimizer(torch.optim.Optimizer, abc.ABC):
         # (weak reference to the owner, its placeholder parameter), in registration order.
         self._owners: list[tuple[weakref.ref, torch.nn.Parameter]] = []
 
-    # -- deferred owners ---------------------------------------------------------------------
-
     def register_deferred(self, owner: DeferredOwner, placeholder: torch.nn.Parameter) -> None:
         """Have :meth:`step` / :meth:`zero_grad` apply / clear ``owner``'s pending gradient.
 
@@ -161,7 +159,7 @@ class RowOptimizer(torch.optim.Optimizer, abc.ABC):
         def forget(_ref: weakref.ref, placeholder: torch.nn.Parameter = placeholder) -> None:
             optimizer = this()
             if optimizer is not None:
-                optimizer._forget(placeholder)
+                optimizer.forget_placeholder(placeholder)
 
         self._owners.append((weakref.ref(owner, forget), placeholder))
         self.param_groups[0]["params"].append(placeholder)
@@ -170,9 +168,11 @@ class RowOptimizer(torch.optim.Optimizer, abc.ABC):
         """Stop stepping ``owner`` and drop its placeholders (its pending gradient is left as it is)."""
         for ref, placeholder in list(self._owners):
             if ref() is owner:
-                self._forget(placeholder)
+                self.forget_placeholder(placeholder)
 
-    def _forget(self, placeholder: torch.nn.Parameter) -> None:
+    def forget_placeholder(self, placeholder: torch.nn.Parameter) -> None:
+        """Drop ``placeholder`` from the registry and from ``param_groups`` (its owner was
+        collected or unregistered); an unknown placeholder is ignored."""
         self._owners = [(r, p) for r, p in self._owners if p is not placeholder]
         params = self.param_groups[0]["params"]
         # Identity, not ==: tensors compare element-wise.

@@ -60,9 +60,12 @@ def convert(
             swapped[id(m)] = _replacement(m, opts, optimizer, update)
     if id(model) in swapped:
         return swapped[id(model)]
-    for parent in list(model.modules()):
-        # _modules, not named_children(): the latter yields a module held twice only once.
-        for name, child in list(parent._modules.items()):
-            if child is not None and id(child) in swapped:
-                setattr(parent, name, swapped[id(child)])
+    # remove_duplicate=False: a module held at two places is replaced at both. The paths are
+    # listed before any swap, and those inside a replaced module are left alone.
+    replaced: list[str] = []
+    for path, child in list(model.named_modules(remove_duplicate=False)):
+        if path and id(child) in swapped and not any(path.startswith(p + ".") for p in replaced):
+            parent, _, name = path.rpartition(".")
+            setattr(model.get_submodule(parent), name, swapped[id(child)])
+            replaced.append(path)
     return model

@@ -176,17 +176,19 @@ class _SequenceLookup(GroupedEmbeddingsLookup):
         return super()._create_embedding_kernel(config, pg, device, env)
 
 
-def _raw_key_dist(sharding, device: torch.device | None, is_sequence: bool, need_pos: bool) -> RwSparseFeaturesDist:
+def _raw_key_dist(
+    pg, world_size: int, num_features: int, device: torch.device, has_feature_processor: bool, is_sequence: bool, need_pos: bool
+) -> RwSparseFeaturesDist:
     """TorchRec's row-wise input dist with a hash size of W per feature (block size 1) and the
-    ids kept: id -> rank ``uint64(id) % W``, unchanged."""
-    n = sharding._get_num_features()
+    ids kept: id -> rank ``uint64(id) % W``, unchanged. The arguments are the sharding's own
+    (its process group, W, feature count, device), which only the sharding subclasses can read."""
     return RwSparseFeaturesDist(
-        pg=sharding._pg,
-        num_features=n,
-        feature_hash_sizes=[sharding._world_size] * n,
-        device=device if device is not None else sharding._device,
+        pg=pg,
+        num_features=num_features,
+        feature_hash_sizes=[world_size] * num_features,
+        device=device,
         is_sequence=is_sequence,
-        has_feature_processor=sharding._has_feature_processor,
+        has_feature_processor=has_feature_processor,
         need_pos=need_pos,
         keep_original_indices=True,
     )
@@ -194,7 +196,10 @@ def _raw_key_dist(sharding, device: torch.device | None, is_sequence: bool, need
 
 class _RwPooledSharding(RwPooledEmbeddingSharding):
     def create_input_dist(self, device: torch.device | None = None) -> RwSparseFeaturesDist:
-        return _raw_key_dist(self, device, is_sequence=False, need_pos=self._need_pos)
+        device = device if device is not None else self._device
+        return _raw_key_dist(
+            self._pg, self._world_size, len(self.feature_names()), device, self._has_feature_processor, is_sequence=False, need_pos=self._need_pos
+        )
 
     def create_lookup(self, device: torch.device | None = None, fused_params: dict | None = None, feature_processor=None) -> _PooledLookup:
         return _PooledLookup(
@@ -209,7 +214,8 @@ class _RwPooledSharding(RwPooledEmbeddingSharding):
 
 class _RwSequenceSharding(RwSequenceEmbeddingSharding):
     def create_input_dist(self, device: torch.device | None = None) -> RwSparseFeaturesDist:
-        return _raw_key_dist(self, device, is_sequence=True, need_pos=False)
+        device = device if device is not None else self._device
+        return _raw_key_dist(self._pg, self._world_size, len(self.feature_names()), device, self._has_feature_processor, is_sequence=True, need_pos=False)
 
     def create_lookup(self, device: torch.device | None = None, fused_params: dict | None = None, feature_processor=None) -> _SequenceLookup:
         return _SequenceLookup(
@@ -222,7 +228,8 @@ class _LocalTables:
 
     def _kernels(self) -> Iterator[DynembKernel]:
         for lookup in self._lookups:
-            for kernel in lookup._emb_modules:
+            # A lookup's kernels are its submodules (TorchRec keeps them in a ModuleList).
+            for kernel in lookup.modules():
                 if isinstance(kernel, DynembKernel):
                     yield kernel
 

@@ -19,8 +19,12 @@ class CompatModel(Model):
     def __init__(self):
         super().__init__(optimizer="adam", strategy="step")
         configs = [
-            dynemb.TableConfig(name="query", feature_names=["query"], embedding_dim=4, capacity=40, bucket_capacity=8, check_mode="count", score_strategy="step", seed=3),
-            dynemb.TableConfig(name="doc", feature_names=["doc"], embedding_dim=4, capacity=48, bucket_capacity=8, check_mode="count", score_strategy="step", seed=3),
+            dynemb.TableConfig(
+                name="query", feature_names=["query"], embedding_dim=4, capacity=40, bucket_capacity=8, check_mode="count", score_strategy="step", seed=3
+            ),
+            dynemb.TableConfig(
+                name="doc", feature_names=["doc"], embedding_dim=4, capacity=48, bucket_capacity=8, check_mode="count", score_strategy="step", seed=3
+            ),
         ]
         self.ec = dynemb.DynamicEmbeddingCollection(configs, dynemb.optim.RowWiseAdagrad(lr=0.1))
 
