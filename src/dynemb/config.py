@@ -35,8 +35,6 @@ def resolve_device(device: torch.device | str, field: str = "device") -> torch.d
 
 # The dtypes a table's rows may have.
 ROW_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-# issue 16: the old private name, still imported by nn/moves.py; removed by the engine refactor.
-_DTYPES = ROW_DTYPES
 
 
 def _require_int(field: str, value, minimum: int) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from dynemb.config import _DTYPES, resolve_device
+from dynemb.config import ROW_DTYPES, resolve_device
 
 
 def conversion_target(fn: Callable[[torch.Tensor], torch.Tensor], device: torch.device, dtype: torch.dtype) -> tuple[torch.device, torch.dtype] | None:
@@ -32,7 +32,7 @@ def conversion_target(fn: Callable[[torch.Tensor], torch.Tensor], device: torch.
     if not isinstance(probe, torch.Tensor):
         return None
     new_device, new_dtype = resolve_device(probe.device), probe.dtype
-    if new_dtype not in _DTYPES:
+    if new_dtype not in ROW_DTYPES:
         raise ValueError(
             f"dtype={new_dtype}: a dynemb table holds torch.float32, torch.float64, torch.bfloat16 or torch.float16 rows; "
             "this table is unchanged (torch has already converted the modules before it in the model)"
