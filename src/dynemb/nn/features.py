@@ -47,7 +47,8 @@ def parse_features(features, feature_names: list[str], device: torch.device, *, 
         per = {f: (vs[j], per_feature[j], ws[j]) for j, f in enumerate(names)}
     else:
         raise TypeError(f"features: expected a KeyedJaggedTensor or a dict feature -> (values, lengths), got {type(features).__name__}")
-    unknown = [f for f in names if f not in feature_names]
+    known = set(feature_names)
+    unknown = [f for f in names if f not in known]
     if unknown:
         raise ValueError(f"features {unknown}: unknown to this collection (its features: {feature_names})")
     missing = [f for f in feature_names if f not in per]
