@@ -63,11 +63,11 @@ class DictRowStore:
         return sum(v.numel() * v.element_size() for v in self.rows.values())
 
 
-def twins(**kw) -> tuple[dynemb.DynamicEmbedding, dynemb.DynamicEmbedding]:
+def twins(capacity: int = 64, **kw) -> tuple[dynemb.DynamicEmbedding, dynemb.DynamicEmbedding]:
     """The same table with the default store and with a DictRowStore of its geometry."""
-    make = lambda store=None: dynemb.DynamicEmbedding(D, kw.get("capacity", 64), store=store, **{k: v for k, v in kw.items() if k != "capacity"})  # noqa: E731
-    ref = make()
-    return ref, make(DictRowStore(ref.store.width, ref.store.capacity, ref.store.dtype))
+    ref = dynemb.DynamicEmbedding(D, capacity, **kw)
+    store = DictRowStore(ref.store.width, ref.store.capacity, ref.store.dtype)
+    return ref, dynemb.DynamicEmbedding(D, capacity, store=store, **kw)
 
 
 def rows_of(table: dynemb.DynamicEmbedding) -> dict[int, torch.Tensor]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dynemb
 from dynemb.storage.base import RowStore
 from dynemb.storage.device_store import DeviceRowStore
 
