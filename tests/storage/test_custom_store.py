@@ -129,7 +129,6 @@ def test_custom_store_through_eviction_erase_insert_and_eval():
     assert_same_rows(ref, ours)
 
 
-@pytest.mark.xfail(strict=True, reason="Engine.gather clamps row -1 to row 0 and reads it before any row is reserved (nn/engine.py; reported)")
 def test_custom_store_on_an_empty_table_in_eval():
     # Nothing reserved yet: a lookup of missing keys must not read rows the store never reserved
     # (the contract's "valid ids"); the default store hides it by always holding a row.

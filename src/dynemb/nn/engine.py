@@ -129,6 +129,8 @@ class Engine:
             raise ValueError(f"{what} {full_bytes:,} bytes; allocating them failed: {e}") from None
         if not isinstance(store, RowStore) or store.width != self.width or store.capacity < self.index.capacity():
             raise ValueError(f"store={store!r}: must be a RowStore of width {self.width} and capacity >= {self.index.capacity()}")
+        # Row 0 stays addressable: gather reads it for keys not in the table (-1 rows).
+        store.reserve(1)
         self.store = store
         self.initializers = [RowInitializer(c.initializer, D, c.seed, c.dtype, c.device) for c in configs]
         # Tables whose keys one initialiser call can serve (same initializer and seed).
