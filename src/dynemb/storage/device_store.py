@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from dynemb.config import ROW_DTYPES, resolve_device
 from dynemb.workspace import empty
 
 
@@ -25,14 +26,18 @@ class DeviceRowStore:
         for name, value in (("width", width), ("capacity", capacity)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be an int >= 1")
+        if dtype not in ROW_DTYPES:
+            raise ValueError(f"dtype={dtype}: rows must be one of {', '.join(str(d) for d in ROW_DTYPES)}")
         self.width = width
         self.capacity = capacity
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.dtype = dtype
         rows = capacity if init_rows is None else max(1, min(init_rows, capacity))
         self.data = empty((rows, width), dtype=dtype, device=self.device)
 
     def reserve(self, n: int) -> None:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"n={n!r}: must be an int >= 0")
         if n > self.data.shape[0]:
             if n > self.capacity:
                 raise ValueError(f"n={n}: more rows than the store's capacity {self.capacity}")
@@ -48,6 +53,12 @@ class DeviceRowStore:
         return self.data.index_select(0, rows)
 
     def scatter(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        if values.dim() != 2 or values.shape[1] > self.width or values.dtype != self.dtype:
+            raise ValueError(f"values: [{values.shape[0]}, {values.shape[1] if values.dim() == 2 else '?'}] {values.dtype}, must be [n, <= {self.width}] {self.dtype}")
+        if self.device.type == "cpu" and rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.data.shape[0]):
+            # index_copy_ would write the rows before a bad id; on CPU the check costs one pass
+            # (on CUDA it would cost a host sync, and the kernel's own assert stops the process).
+            raise IndexError(f"rows: ids must lie in [0, {self.data.shape[0]}) (reserved rows), got [{int(rows.min())}, {int(rows.max())}]")
         with torch.inference_mode(False):
             if values.shape[1] == self.width:
                 self.data.index_copy_(0, rows, values)
