@@ -101,9 +101,7 @@ class BatchPlacement:
         # the priority of the placed ones (_displace), or ends. The host syncs per pass (sizes of
         # masked selections) are what lets the loop stop as soon as every key is placed.
         while to_place.numel():
-            placed, placed_pos = self._place_free(
-                new_keys.index_select(0, to_place), new_scores.index_select(0, to_place), _pick(new_seg, to_place)
-            )
+            placed, placed_pos = self._place_free(new_keys.index_select(0, to_place), new_scores.index_select(0, to_place), _pick(new_seg, to_place))
             done = to_place[placed]
             new_pos.scatter_(0, done, placed_pos[placed])
             waiting.index_fill_(0, done, False)
@@ -320,7 +318,9 @@ class BatchPlacement:
                 return torch.cat([self._move_out(explore, 1, 0, moves), full.index_select(0, rest)])
         return full.index_select(0, stuck)
 
-    def _displace(self, keys: torch.Tensor, scores: torch.Tensor, pending: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    def _displace(
+        self, keys: torch.Tensor, scores: torch.Tensor, pending: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int]:
         """Restore priority after batched placement: a pending key takes the slot of the
         lowest-priority key this batch placed in its candidate buckets, if that key ranks below
         it; the displaced key becomes pending and may displace in turn.
@@ -423,4 +423,3 @@ class BatchPlacement:
         self._count("evictions", taken)
         self._count("inserts", taken)
         return (pos, *evicted, taken)
-
