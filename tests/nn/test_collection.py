@@ -8,8 +8,6 @@ import torch
 import dynemb
 from dynemb import TableConfig
 from dynemb.nn import units
-from dynemb.table.index import unique_pairs
-from dynemb.table.segmented import SegmentedKeyIndex
 
 OPTIMIZERS = {
     "sgd": lambda: dynemb.optim.SGD(lr=0.1),
@@ -213,38 +211,6 @@ def test_each_table_keeps_its_capacity_and_eviction():
     ids = torch.arange(900, 1000)
     found = col.find("small", ids)[1]
     assert int(found.sum()) + col.last_failed_keys["small"].numel() == 100
-
-
-def test_segmented_index_matches_dict_model():
-    """Random (segment, key) upserts and erases against a dict per segment."""
-    gen = torch.Generator().manual_seed(4)
-    caps = [64, 200, 1000]
-    index = SegmentedKeyIndex(capacities=caps, bucket_capacity=8, score_strategy="step")
-    model = [dict() for _ in caps]
-    for step in range(1, 40):
-        segs = torch.randint(0, 3, (120,), generator=gen)
-        keys = torch.randint(-300, 300, (120,), generator=gen)
-        (us, uk), _, counts = unique_pairs(segs, keys)
-        r = index.upsert_unique(uk, counts, now=step, segments=us)
-        for s, k, ok in zip(us.tolist(), uk.tolist(), r.ok.tolist()):
-            if ok:
-                model[s][k] = True
-        for s, k in zip(r.evicted_segments.tolist(), r.evicted_keys.tolist()):
-            del model[s][k]
-        assert set(zip(r.failed_segments.tolist(), r.failed_keys.tolist())) == {(s, k) for s, k, ok in zip(us.tolist(), uk.tolist(), r.ok.tolist()) if not ok}
-        if step % 5 == 0:
-            es, ek = torch.randint(0, 3, (30,), generator=gen), torch.randint(-300, 300, (30,), generator=gen)
-            e = index.erase(ek, segments=es)
-            for s, k in zip(e.evicted_segments.tolist(), e.evicted_keys.tolist()):
-                del model[s][k]
-        sizes = index.segment_sizes().tolist()
-        for s in range(len(caps)):
-            assert sizes[s] == len(model[s]) <= index.segment_capacity(s)
-            probe = torch.tensor(sorted(model[s]) or [0])
-            found = index.find(probe, segments=torch.full_like(probe, s))[1]
-            assert bool(found.all()) or not model[s]
-    stats = index.segment_stats()
-    assert stats[0]["evictions"] > 0 and stats[2]["evictions"] == 0
 
 
 @pytest.mark.parametrize("shared_keys", [False, True])

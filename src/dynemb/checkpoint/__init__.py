@@ -29,14 +29,15 @@ from dynemb.checkpoint.tables import DTYPE_NAMES, DTYPES, Entry, config_json, en
 from dynemb.errors import CheckpointError
 from dynemb.nn.admission import FrequencyAdmission
 from dynemb.nn.functional import warn_nonfinite, warn_nonfinite_keys
+from dynemb.table.exact import place_exact, state_from_layout, state_from_slots
 from dynemb.table.index import unique_pairs
 from dynemb.workspace import writable
 
 __all__ = ["CheckpointError", "load", "save", "save_delta"]
 
 _DENSE = "dense.safetensors"
-# Buckets a key that finds no free slot searches for a lower-priority key to replace.
-_EVICT_SEARCH = 1 << 12
+# The old name of the index's exact placement, still imported by tests/checkpoint/test_warm_start.py.
+_place_exact = place_exact
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -472,219 +473,6 @@ def _counter(entry: dict, name: str, path) -> int:
     return v
 
 
-def _index_state(index, keys: torch.Tensor, slots: torch.Tensor, scores: torch.Tensor, geometry: tuple[int, int, int], counters) -> dict:
-    """An index state_dict holding ``keys`` [K] at ``slots`` [K] with ``scores`` [K] and rows
-    0..K-1 (the store is filled in that order)."""
-    K = keys.numel()
-    state = {
-        "keys": keys,
-        "rows": torch.arange(K),
-        "scores": scores,
-        "slots": slots,
-        "num_buckets": torch.tensor(geometry[0]),
-        "bucket_capacity": torch.tensor(geometry[1]),
-        "max_buckets": torch.tensor(geometry[2]),
-        "free_high_water": torch.tensor(K),
-        "free": torch.empty(0, dtype=torch.int64),
-        "counters": torch.tensor(counters, dtype=torch.int64),
-    }
-    if hasattr(index, "segment_buckets"):
-        state["segment_buckets"] = index.segment_buckets.cpu().clone()
-        state["segment_counters"] = index._segment_stats.cpu().clone()
-    return {k: v.to(index.device) for k, v in state.items()}
-
-
-def _layout_state(engine, parts: list[tuple[int | None, dict]], index_counters) -> dict | None:
-    """An index state_dict placing every key at its saved slot, or None if the layout does not
-    apply (missing, or another geometry). parts: (segment, table data) of every table of the engine."""
-    index = engine.index
-    keys, slots, scores = [], [], []
-    for seg, data in parts:
-        lay = data.get("layout")
-        if lay is None:
-            return None
-        try:
-            geometry = (int(lay["num_buckets"]), int(lay["bucket_capacity"]), int(lay["max_buckets"]))
-            if seg is not None and (lay["segment_buckets"].tolist() != index.segment_buckets.tolist() or int(lay["segment"]) != seg):
-                return None
-        except (KeyError, RuntimeError, ValueError):
-            return None
-        if lay["slots"].shape != data["keys"].shape:
-            return None
-        keys.append(data["keys"])
-        slots.append(lay["slots"])
-        scores.append(data["scores"])
-    state = _index_state(index, torch.cat(keys), torch.cat(slots), torch.cat(scores), geometry, index_counters)
-    return state if index.same_geometry(state) else None
-
-
-def _place_exact(
-    index, keys: torch.Tensor, segs: torch.Tensor | None, scores: torch.Tensor, slots: torch.Tensor, *, evict: bool, optional: torch.Tensor
-) -> torch.Tensor:
-    """Slots for keys that a batch insert left out, by cuckoo paths.
-
-    Each key left out (``slots`` [K] is -1; keys [K] with segments, scores [K]), in priority
-    order (higher score, then smaller key), reaches a free slot along a shortest chain of keys
-    that move to their other bucket. A key that can reach none fails, or with ``evict`` replaces
-    the lowest-priority key it can reach (among the first _EVICT_SEARCH buckets) if that one
-    ranks below it. ``optional`` [K] keys (beyond a table's capacity, below every other key)
-    only take slots left free, and are given up after a few misses. Meant for the few keys a
-    batch insert cannot place: the distance of every bucket to a free slot is computed on the
-    whole index (one pass per level), then each key walks its chain on the host. Returns every
-    key's slot (-1: dropped).
-    """
-    W, NB = index.bucket_capacity, index.num_buckets
-    device = slots.device
-    b1, b2 = (b.cpu() for b in index._buckets(keys, segs))
-    keys, scores, slots = keys.cpu(), scores.cpu(), slots.cpu()
-    K = keys.numel()
-    bucket = torch.where(slots >= 0, slots // W, -1)  # [K] the bucket of each key, -1 if not placed
-    count = torch.bincount(bucket[bucket >= 0], minlength=NB)  # [NB] keys per bucket
-    seg = segs.cpu() if segs is not None else torch.zeros_like(keys)
-    S = index.num_segments if segs is not None else 1
-    placed_per_seg = torch.bincount(seg[bucket >= 0], minlength=S).tolist()
-    free = [(index.segment_capacity(s) if segs is not None else index.capacity()) - placed_per_seg[s] for s in range(S)]
-    misses = [0] * S
-    b1l, b2l, keyl, scorel, segl, optl = b1.tolist(), b2.tolist(), keys.tolist(), scores.tolist(), seg.tolist(), optional.cpu().tolist()
-    NONE = 1 << 62
-
-    def priority(i: int) -> tuple[int, int]:
-        return (scorel[i], -keyl[i])
-
-    def move(r: int, to: int) -> None:
-        old = int(bucket[r])
-        if old >= 0:
-            count[old] -= 1
-        if to >= 0:
-            count[to] += 1
-        bucket[r] = to
-
-    def distances() -> tuple[list[int], list[int]]:
-        """Per bucket: moves to the nearest free slot, and the key to move out first (a
-        breadth-first search from the free buckets over keys grouped by their other bucket)."""
-        placed = (bucket >= 0).nonzero().squeeze(1)
-        src = bucket.index_select(0, placed)
-        alt = b1.index_select(0, placed) + b2.index_select(0, placed) - src
-        movable = alt != src
-        placed, src, alt = placed[movable], src[movable], alt[movable]
-        by_alt = torch.sort(alt)
-        ends = torch.searchsorted(by_alt.values, torch.arange(NB), right=True)
-        starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-        dist = torch.where(count < W, 0, NONE)
-        first = torch.full((NB,), K, dtype=torch.int64)
-        frontier = (count < W).nonzero().squeeze(1)
-        d = 0
-        while frontier.numel():
-            lo, n = starts.index_select(0, frontier), (ends - starts).index_select(0, frontier)
-            total = int(n.sum())
-            if total == 0:
-                break
-            at = torch.repeat_interleave(lo - (torch.cumsum(n, 0) - n), n, output_size=total) + torch.arange(total)
-            moving = by_alt.indices.index_select(0, at)  # keys whose other bucket is in the frontier
-            sb = src.index_select(0, moving)
-            new = dist.index_select(0, sb) == NONE
-            sb, moving = sb[new], moving[new]
-            dist.index_fill_(0, sb, d + 1)
-            first.scatter_reduce_(0, sb, placed.index_select(0, moving), reduce="amin")
-            frontier = torch.unique(sb)
-            d += 1
-        return dist.tolist(), first.tolist()
-
-    def replace_lowest(i: int) -> bool:
-        """Evict the lowest-priority key reachable from i's buckets (below i) and move keys
-        along the chain to its bucket; False if there is none."""
-        placed = (bucket >= 0).nonzero().squeeze(1)
-        src = bucket.index_select(0, placed)
-        alt = b1.index_select(0, placed) + b2.index_select(0, placed) - src
-        visited = torch.zeros(NB, dtype=torch.bool)
-        parent = torch.full((NB,), K, dtype=torch.int64)
-        frontier = torch.unique(torch.tensor([b1l[i], b2l[i]]))
-        visited[frontier] = True
-        while frontier.numel() and int(visited.sum()) < _EVICT_SEARCH:
-            inside = torch.isin(src, frontier) & (alt != src)
-            to, who = alt[inside], placed[inside]
-            new = ~visited.index_select(0, to)
-            to, who = to[new], who[new]
-            parent.scatter_reduce_(0, to, who, reduce="amin")
-            visited.index_fill_(0, to, True)
-            frontier = torch.unique(to)
-        reached = placed[visited.index_select(0, src)]
-        if reached.numel() == 0:
-            return False
-        # Lowest priority: lowest score, then largest key.
-        low = reached[scores.index_select(0, reached) == scores.index_select(0, reached).min()]
-        victim = int(low[keys.index_select(0, low).argmax()])
-        if priority(victim) >= priority(i):
-            return False
-        b = int(bucket[victim])
-        move(victim, -1)
-        dropped.append(victim)
-        starts = {b1l[i], b2l[i]}
-        while b not in starts:
-            r = int(parent[b])
-            prev = int(bucket[r])
-            move(r, b)
-            b = prev
-        move(i, b)
-        return True
-
-    left_out = sorted((bucket < 0).nonzero().squeeze(1).tolist(), key=lambda i: (-scorel[i], keyl[i]))
-    dropped: list[int] = []
-    dist, first = [], []
-    dirty: set[int] | None = None  # buckets changed since the distances were computed
-    for i in left_out:
-        s = segl[i]
-        if optl[i]:
-            if free[s] == 0 or misses[s] >= 8:
-                dropped.append(i)
-                continue
-        placed_it = False
-        while free[s]:
-            if dirty is None:
-                dist, first = distances()
-                dirty = set()
-            c = b1l[i] if dist[b1l[i]] <= dist[b2l[i]] else b2l[i]
-            stale = bool(dirty)
-            if dist[c] >= NONE:
-                if stale:
-                    dirty = None
-                    continue
-                break
-            chain, b = [], c
-            while dist[b] > 0 and b not in dirty:
-                r = first[b]
-                chain.append((r, b))
-                b = b1l[r] + b2l[r] - b
-            if b in dirty:
-                dirty = None
-                continue
-            # Move the chain's keys from the end back to c, then i into c.
-            for r, _ in reversed(chain):
-                move(r, b1l[r] + b2l[r] - int(bucket[r]))
-            move(i, c)
-            dirty.update(b for _, b in chain)
-            dirty.update((c, b))
-            placed_it = True
-            break
-        if placed_it:
-            free[s] -= 1
-            misses[s] = 0
-            continue
-        misses[s] += 1
-        if evict and not optl[i] and replace_lowest(i):
-            dirty = None
-            continue
-        dropped.append(i)
-    # Slots: each bucket's keys take its first slots, in key order.
-    out = torch.full((K,), -1, dtype=torch.int64)
-    placed = (bucket >= 0).nonzero().squeeze(1)
-    by_bucket = torch.sort(bucket.index_select(0, placed), stable=True)
-    start_of = torch.searchsorted(by_bucket.values, by_bucket.values, right=False)
-    rank = torch.arange(placed.numel()) - start_of
-    out[placed.index_select(0, by_bucket.indices)] = by_bucket.values * W + rank
-    return out.to(device)
-
-
 def _build_engine(sample: Entry, parts: list[tuple[int | None, dict, Entry]], *, on_overflow: str, use_layout: bool) -> tuple[object, dict]:
     """A fresh engine for one DynamicTable or one collection group, filled with ``parts``
     (segment, data with whole rows [K, D+S], entry); returns it and the keys dropped per table.
@@ -709,7 +497,7 @@ def _build_engine(sample: Entry, parts: list[tuple[int | None, dict, Entry]], *,
         state = None
         if use_layout:
             c = parts[0][1]["entry"]["counters"].get("index", [0, 0, 0, 0]) if not grouped else [0, 0, 0, 0]
-            state = _layout_state(fresh, [(s, d) for s, d, _ in parts], c)
+            state = state_from_layout(fresh.index, [(s, d.get("layout"), d["keys"], d["scores"]) for s, d, _ in parts], c)
         if state is not None:
             try:
                 fresh.index.load_state_dict(state)
@@ -751,8 +539,8 @@ def _build_engine(sample: Entry, parts: list[tuple[int | None, dict, Entry]], *,
                 # where one exists: place the keys it left out along cuckoo paths, then build
                 # the index from the slots found.
                 slots = torch.full_like(keys, -1)
-                slots[keep] = fresh.index._locate(keys[keep], *seg_arg)[0]
-                slots = _place_exact(fresh.index, keys, segs if grouped else None, scores, slots, evict=on_overflow == "evict", optional=~keep)
+                slots[keep] = fresh.index.locate(keys[keep], *seg_arg)[0]
+                slots = place_exact(fresh.index, keys, segs if grouped else None, scores, slots, evict=on_overflow == "evict", optional=~keep)
                 placed = slots >= 0
                 if not bool(placed.all()):
                     if on_overflow != "evict":
@@ -765,7 +553,7 @@ def _build_engine(sample: Entry, parts: list[tuple[int | None, dict, Entry]], *,
                 index = fresh.index
                 geometry = (index.num_buckets, index.bucket_capacity, index.max_buckets)
                 fresh = new_engine()
-                fresh.index.load_state_dict(_index_state(fresh.index, keys, slots, scores, geometry, [0, 0, 0, 0]))
+                fresh.index.load_state_dict(state_from_slots(fresh.index, keys, slots, scores, geometry, [0, 0, 0, 0], index.segment_buckets.tolist()))
                 fresh.store.reserve(keys.numel())
                 if src.numel() == values.shape[0]:
                     fresh.store.scatter(torch.empty_like(src).index_copy_(0, src, torch.arange(src.numel(), device=device)), values)

@@ -77,9 +77,7 @@ class Entry:
     def export_slots(self, chunk_rows: int):
         """(keys, rows, scores, slots) chunks in slot order (slots: each key's flat index slot)."""
         engine, s, _ = self.location
-        index = engine.index
-        lo, hi = (0, index._used.numel()) if s is None else index._segment_slots(s)
-        yield from index._export_slots(lo, hi, chunk_rows)
+        yield from engine.index.export_slots(chunk_rows, segment=s)
 
     def find_rows(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # The rank's own index (a sharded engine's find would be a collective call).

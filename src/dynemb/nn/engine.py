@@ -30,7 +30,6 @@ from dynemb.storage.base import RowStore
 from dynemb.storage.device_store import DeviceRowStore
 from dynemb.storage.initializers import RowInitializer
 from dynemb.table.index import KeyIndex, index_bytes, rounded_capacity
-from dynemb.table.segmented import SegmentedKeyIndex
 from dynemb.types import NonFiniteGrads
 from dynemb.workspace import writable
 
@@ -123,7 +122,7 @@ class Engine:
         try:
             self.index = self._new_index()
             if store is None:
-                init_rows = self.index.current_capacity() if not self.segmented else sum(c.capacity if c.init_capacity is None else c.init_capacity for c in configs)
+                init_rows = self.index.current_capacity()
                 store = DeviceRowStore(self.width, self.index.capacity(), dtype=first.dtype, device=first.device, init_rows=init_rows)
         except RuntimeError as e:
             raise ValueError(f"{what} {full_bytes:,} bytes; allocating them failed: {e}") from None
@@ -156,7 +155,16 @@ class Engine:
                 score_strategy=c.score_strategy,
                 device=c.device,
             )
-        return SegmentedKeyIndex(capacities=[t.capacity for t in self.configs], bucket_capacity=c.bucket_capacity, score_strategy=c.score_strategy, device=c.device)
+        # A group's tables grow each from its own init_capacity (docs/design/0025); the first
+        # table's max_load_factor serves the group.
+        return KeyIndex(
+            capacities=[t.capacity for t in self.configs],
+            init_capacities=[t.init_capacity for t in self.configs],
+            bucket_capacity=c.bucket_capacity,
+            max_load_factor=c.max_load_factor,
+            score_strategy=c.score_strategy,
+            device=c.device,
+        )
 
     def fresh(self) -> Engine:
         """An empty engine of the same tables and optimizer (a load builds one, then swaps it in)."""

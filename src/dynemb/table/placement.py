@@ -1,0 +1,425 @@
+"""Placing a batch of new keys: free slots, growth, cuckoo moves, displacement, eviction.
+
+U unique keys in a call, M new keys to place, P keys pending (not placed yet), Q buckets asked
+to make room, F full buckets among them, B buckets, W slots per bucket.
+
+Two-choice hashing: a key may live at any slot of either of its two candidate buckets. A new key
+goes to the candidate with more free slots, else to the other. When both are full and its segment
+cannot grow, resident keys of those buckets move to their own other candidate (cuckoo
+displacement, up to ``MOVE_DEPTH`` moves in a chain) to free a slot; only when that fails does
+the new key evict the lowest-scored unlocked key among its 2W slots (a key is locked while the
+batch that uses it is being placed). See docs/design/0006. Keys of one segment only ever see
+their own segment's buckets, so every rule here holds per segment.
+
+:class:`BatchPlacement` holds these steps as methods of :class:`dynemb.table.index.KeyIndex`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dynemb.table.base import IndexResult
+from dynemb.table.keys import INT64_MAX as _MAX_SCORE
+from dynemb.types import ScoreStrategy
+
+# Longest chain of resident moves tried to free a slot for a new key (1: a resident of the key's
+# buckets moves to its other bucket; 2: first a resident of that other bucket moves on, ...).
+MOVE_DEPTH = 2
+# Displacement stops for the rest of a call after a pass that made room for fewer than one key
+# in GIVE_UP of those it tried.
+GIVE_UP = 8
+_CLOCKED = (ScoreStrategy.TIMESTAMP, ScoreStrategy.STEP, ScoreStrategy.NO_EVICTION)
+
+
+def group_by_bucket(bucket: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stable sort of bucket ids ([P] int64) -> (order, sorted buckets, rank within its bucket)."""
+    by_bucket = torch.sort(bucket, stable=True)
+    sorted_bucket = by_bucket.values
+    idx = torch.arange(sorted_bucket.numel(), device=bucket.device)
+    is_start = torch.ones_like(sorted_bucket, dtype=torch.bool)
+    is_start[1:] = sorted_bucket[1:] != sorted_bucket[:-1]
+    rank = idx - torch.cummax(torch.where(is_start, idx, 0), 0).values
+    return by_bucket.indices, sorted_bucket, rank
+
+
+def _pick(values: torch.Tensor | None, at: torch.Tensor) -> torch.Tensor | None:
+    """values[at] ([n] -> [m]), or None when there are no values (an index of one segment)."""
+    return None if values is None else values.index_select(0, at)
+
+
+def _follow(positions: torch.Tensor, moves: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Flat slots after keys moved: each step's (from, to) slots ([m] each, distinct) applied in
+    order to positions ([n], -1 for none); returns [n]."""
+    for src, dst in moves:
+        if src.numel() == 0:
+            continue
+        by_src = torch.sort(src)
+        at = torch.searchsorted(by_src.values, positions).clamp_(max=src.numel() - 1)
+        hit = by_src.values.index_select(0, at) == positions
+        positions = torch.where(hit, dst.index_select(0, by_src.indices.index_select(0, at)), positions)
+    return positions
+
+
+class BatchPlacement:
+    """The placement steps of :class:`dynemb.table.index.KeyIndex` (a mixin: it reads and
+    writes the index's tensors ``_keys``, ``_used``, ``_rows``, ``_scores``, ``_lock``)."""
+
+    def _upsert(self, unique: torch.Tensor, counts: torch.Tensor, batch_scores: torch.Tensor, own: bool, seg: torch.Tensor | None = None) -> IndexResult:
+        """upsert_unique after argument checks; ``own``: the scores are the strategy's (not given);
+        ``seg``: [U] segment of each key (segmented indexes)."""
+        lfu_add = own and self.strategy is ScoreStrategy.LFU
+        # With one clock value for every key, priority order is already that of the keys.
+        uniform = own and self.strategy in _CLOCKED
+        pos, found = self._locate(unique, seg)
+        found_pos = pos[found]
+        flat_scores = self._scores.view(-1)
+        if lfu_add:
+            # Saturating add: a key pinned at the largest score must not wrap to the smallest.
+            old = flat_scores.index_select(0, found_pos)
+            add = counts[found]
+            flat_scores.scatter_(0, found_pos, torch.where(old > _MAX_SCORE - add, _MAX_SCORE, old + add))
+        else:
+            flat_scores.scatter_(0, found_pos, batch_scores[found])
+
+        missing = (~found).nonzero().squeeze(1)  # [M] into unique
+        if not uniform:
+            # Priority order: higher score first, then smaller key (unique is sorted).
+            by_score = torch.sort(batch_scores.index_select(0, missing), descending=True, stable=True)
+            missing = missing.index_select(0, by_score.indices)
+        new_keys = unique.index_select(0, missing)
+        new_scores = batch_scores.index_select(0, missing)
+        new_seg = None if seg is None else seg.index_select(0, missing)
+        if self._grow_before(missing.numel(), new_seg):
+            pos, _ = self._locate(unique, seg)
+        new_pos = torch.full_like(missing, -1)  # [M] slot of each new key once placed
+        waiting = torch.ones_like(missing, dtype=torch.bool)  # [M] not placed yet
+        # New keys for which moving residents may still free a slot: a key none of whose
+        # buckets' keys could move is not tried again in this call.
+        hopeful = torch.ones_like(missing, dtype=torch.bool)  # [M]
+        pending = to_place = torch.arange(missing.numel(), device=self.device)  # ranks into missing
+        # Each pass places at least one more key, or rules keys out of displacement, or improves
+        # the priority of the placed ones (_displace), or ends. The host syncs per pass (sizes of
+        # masked selections) are what lets the loop stop as soon as every key is placed.
+        while to_place.numel():
+            placed, placed_pos = self._place_free(new_keys.index_select(0, to_place), new_scores.index_select(0, to_place), _pick(new_seg, to_place))
+            done = to_place[placed]
+            new_pos.scatter_(0, done, placed_pos[placed])
+            waiting.index_fill_(0, done, False)
+            pending = waiting.nonzero().squeeze(1)
+            if pending.numel() == 0:
+                break
+            if self._grow_for(_pick(new_seg, pending)):
+                # Growth moved every key: find the batch's keys again.
+                pos, _ = self._locate(unique, seg)
+                new_pos = torch.where(waiting, -1, pos.index_select(0, missing))
+                to_place = pending
+                continue
+            to_place = pending[:0]
+            while to_place.numel() == 0:
+                # No more than the free slots can be filled: trying a few times as many keys
+                # at once bounds the cost of displacement when the index is nearly full.
+                tried = pending[hopeful.index_select(0, pending)][: 4 * (self.current_capacity() - self._size)]
+                if tried.numel() == 0:
+                    break
+                room, stuck, moves = self._make_room(new_keys.index_select(0, tried), _pick(new_seg, tried))
+                hopeful.index_fill_(0, tried[stuck], False)
+                pos, new_pos = _follow(pos, moves), _follow(new_pos, moves)
+                to_place = tried[room]
+                if to_place.numel() * GIVE_UP < tried.numel():
+                    # Few keys got room: the free slots left are hard to reach. Stop trying in
+                    # this call, so that a nearly full index does not spend many passes per call.
+                    hopeful.zero_()
+            if to_place.numel():
+                continue
+            # Full: keys that found no free slot take slots of lower-priority keys of the batch;
+            # displaced keys go round again (their other bucket may have room).
+            pending, displaced = self._displace(new_keys, new_scores, pending, new_pos, new_seg)
+            if not displaced:
+                break
+            waiting.zero_().index_fill_(0, pending, True)
+            to_place = pending
+        pos = pos.index_copy(0, missing, new_pos)
+
+        evicted = (torch.empty(0, dtype=torch.int64, device=self.device),) * 4
+        if pending.numel() and self.strategy is not ScoreStrategy.NO_EVICTION:
+            victim_pos, *evicted = self._evict_for(new_keys[pending], new_scores[pending], pos[pos >= 0], _pick(new_seg, pending))
+            pos.scatter_(0, missing[pending], victim_pos)
+        *evicted, taken = evicted
+        ok = pos >= 0
+        rows = torch.where(ok, self._rows.view(-1).index_select(0, pos.clamp(min=0)), -1)
+        failed_keys = unique[~ok]
+        failed_seg = evicted_seg = None
+        if seg is not None:
+            failed_seg, evicted_seg = seg[~ok], self._bucket_segments(taken // self.bucket_capacity)
+        elif self.segmented:
+            # One segment, placed without segment tensors: every key is segment 0's.
+            failed_seg, evicted_seg = torch.zeros_like(failed_keys), torch.zeros_like(taken)
+        self._count("failed_inserts", seg=failed_seg, n=failed_keys.numel())
+        return IndexResult(pos, rows, found, ok & ~found, *evicted, failed_keys, evicted_seg, failed_seg)
+
+    def _place_free(self, keys: torch.Tensor, scores: torch.Tensor, seg: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Put P keys (in priority order) into free slots of their candidate buckets.
+
+        A batch places its keys in rounds, each key going to its candidate with more free slots;
+        while keys compete, a bucket takes at most half of its free slots per round, so a batch
+        spreads over both candidates the way keys inserted one by one would. Then a round fills
+        the preferred candidate completely, and a last one the other candidate.
+
+        Returns:
+            placed (Tensor[bool]): [P]
+            pos (Tensor[int64]): [P] slot taken, meaningful where placed.
+        """
+        placed = torch.zeros_like(keys, dtype=torch.bool)
+        pos = torch.full_like(keys, -1)
+        if self._size == self.current_capacity():
+            return placed, pos
+        b1, b2 = self._buckets(keys, seg)
+        # Ties between equally free candidates go by a bit of the buckets, not always to bucket 1.
+        tie_second = ((b1 ^ b2) & 1).bool()
+        W = self.bucket_capacity
+
+        def one_round(halve: bool, other: bool) -> int:
+            todo = (~placed).nonzero().squeeze(1)
+            t1, t2 = b1.index_select(0, todo), b2.index_select(0, todo)
+            free1 = W - self._used.index_select(0, t1).sum(1)
+            free2 = W - self._used.index_select(0, t2).sum(1)
+            # Keys whose buckets are both full wait (for displacement or eviction).
+            room = ((free1 > 0) | (free2 > 0)).nonzero().squeeze(1)
+            if room.numel() == 0:
+                return 0
+            if room.numel() < todo.numel():
+                todo, t1, t2, free1, free2 = (x.index_select(0, room) for x in (todo, t1, t2, free1, free2))
+            second = (free2 > free1) | ((free2 == free1) & tie_second.index_select(0, todo))
+            bucket = torch.where(second ^ other, t2, t1)
+            fits, slot_pos = self._fill(keys.index_select(0, todo), scores.index_select(0, todo), bucket, halve)
+            done = todo[fits]
+            placed.index_fill_(0, done, True)
+            pos.scatter_(0, done, slot_pos[fits])
+            return done.numel()
+
+        for _ in range(8):
+            if one_round(halve=True, other=False) == 0:
+                break
+        one_round(halve=False, other=False)
+        one_round(halve=False, other=True)
+        return placed, pos
+
+    def _fill(self, keys: torch.Tensor, scores: torch.Tensor, bucket: torch.Tensor, halve: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Give the r-th key of each bucket (in priority order) the bucket's r-th free slot.
+
+        Args:
+            keys, scores, bucket (Tensor[int64]): [P] each.
+            halve: take at most half (rounded up) of each bucket's free slots.
+        Returns:
+            fits (Tensor[bool]): [P]
+            pos (Tensor[int64]): [P] slot taken, meaningful where fits.
+        """
+        order, bucket, rank = group_by_bucket(bucket)  # [P] each
+        fits, pos = self._free_slots(bucket, rank, halve)
+        fit_pos = pos[fits]
+        fit_idx = order[fits]
+        self._keys.view(-1).scatter_(0, fit_pos, keys.index_select(0, fit_idx))
+        self._used.view(-1).index_fill_(0, fit_pos, True)
+        self._scores.view(-1).scatter_(0, fit_pos, scores.index_select(0, fit_idx))
+        self._rows.view(-1).scatter_(0, fit_pos, self.free_list.allocate(fit_pos.numel()))
+        self._size += fit_pos.numel()
+        self._count("inserts", fit_pos)
+        out_fits = torch.zeros_like(fits).scatter_(0, order, fits)
+        out_pos = torch.empty_like(pos).scatter_(0, order, pos)
+        return out_fits, out_pos
+
+    def _free_slots(self, bucket: torch.Tensor, rank: torch.Tensor, halve: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rank-th free slot of each bucket (buckets and ranks [P] from group_by_bucket).
+
+        Returns:
+            fits (Tensor[bool]): [P] the bucket has that many free slots (at most half of them,
+                rounded up, with ``halve``).
+            pos (Tensor[int64]): [P] flat slot, meaningful where fits.
+        """
+        free = ~self._used.index_select(0, bucket)  # [P, W]
+        n_free = free.sum(1)
+        fits = rank < ((n_free + 1) // 2 if halve else n_free)
+        target = free & (free.cumsum(1) == (rank + 1)[:, None])
+        return fits, bucket * self.bucket_capacity + target.view(torch.uint8).argmax(1)
+
+    def _make_room(self, keys: torch.Tensor, seg: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Free slots in the full candidate buckets of P pending keys by moving resident keys to
+        their other candidate bucket (cuckoo displacement; a moved key keeps its row id and
+        score).
+
+        Returns:
+            room (Tensor[bool]): [P] one of the key's buckets has a free slot now.
+            stuck (Tensor[bool]): [P] no key of either of its buckets could move (another try
+                in this call would fail too).
+            moves: (from, to) flat slots of the keys moved, one pair of tensors per step, in
+                the order applied (see :func:`_follow`).
+        """
+        moves: list[tuple[torch.Tensor, torch.Tensor]] = []
+        free = self.current_capacity() - self._size
+        if free == 0:
+            nothing = torch.zeros_like(keys, dtype=torch.bool)
+            return nothing, ~nothing, moves
+        b1, b2 = self._buckets(keys, seg)
+        needy = torch.unique(torch.cat([b1, b2]))  # [Q]
+        # Chains of two moves look at W times more keys; they are tried for at most as many
+        # buckets as there are free slots, which bounds their cost when the index is nearly full.
+        stuck = self._move_out(needy, MOVE_DEPTH, free, moves)
+        used = self._used
+        room = ~(used.index_select(0, b1).all(1) & used.index_select(0, b2).all(1))
+        return room, ~room & torch.isin(b1, stuck) & torch.isin(b2, stuck), moves
+
+    def _move_out(self, buckets: torch.Tensor, depth: int, deep_limit: int, moves: list) -> torch.Tensor:
+        """Free one slot in each full bucket of ``buckets`` ([Q] distinct): move one of its keys
+        to that key's other candidate bucket, the one with the most free slots (ties: lower
+        slot). With ``depth`` > 1, up to ``deep_limit`` buckets none of whose keys can move
+        first get room made in those other buckets (recursively), then try again. Appends the
+        (from, to) slots of the moves to ``moves``.
+
+        Returns:
+            Tensor[int64]: [S] the buckets none of whose keys could move.
+        """
+        W = self.bucket_capacity
+        full = buckets[self._used.index_select(0, buckets).all(1)]  # [F]
+        F = full.numel()
+        if F == 0:
+            return full
+        residents = self._keys.index_select(0, full).view(-1)  # [F * W]
+        own = full.repeat_interleave(W)
+        r1, r2 = self._buckets(residents, self._bucket_segments(own))
+        alt = torch.where(r1 == own, r2, r1)  # [F * W], == own when both candidates coincide
+        free_alt = (W - self._used.index_select(0, alt).sum(1)).masked_fill_(alt == own, 0).view(F, W)
+        alt = alt.view(F, W)
+        best_free = free_alt.amax(1)  # [F]
+        best = (free_alt == best_free[:, None]).view(torch.uint8).argmax(1)  # [F] first such slot
+        can_move = best_free > 0
+        movable = can_move.nonzero().squeeze(1)  # [F'] into full
+        best = best.index_select(0, movable)
+        src = full.index_select(0, movable) * W + best
+        dst_bucket = alt.index_select(0, movable).gather(1, best[:, None]).squeeze(1)
+        # Several keys may head for one bucket: the r-th (by source bucket) takes its r-th free
+        # slot, if it has that many (the others try again in the caller's next pass). Sources
+        # (full buckets) and targets (not full) never overlap.
+        order, dst_bucket, rank = group_by_bucket(dst_bucket)
+        fits, dst = self._free_slots(dst_bucket, rank)
+        src, dst = src.index_select(0, order)[fits], dst[fits]
+        for table in (self._keys, self._rows, self._scores):
+            flat = table.view(-1)
+            flat.scatter_(0, dst, flat.index_select(0, src))
+        self._used.view(-1).index_fill_(0, dst, True).index_fill_(0, src, False)
+        moves.append((src, dst))
+        stuck = (~can_move).nonzero().squeeze(1)  # [S] into full
+        if depth > 1 and deep_limit > 0 and stuck.numel():
+            explore, rest = stuck[:deep_limit], stuck[deep_limit:]
+            explore_alt = alt.index_select(0, explore)  # [S', W]
+            explore = full.index_select(0, explore)
+            deeper = torch.unique(explore_alt[explore_alt != explore[:, None]])
+            if deeper.numel():
+                self._move_out(deeper, depth - 1, deep_limit, moves)
+                return torch.cat([self._move_out(explore, 1, 0, moves), full.index_select(0, rest)])
+        return full.index_select(0, stuck)
+
+    def _displace(
+        self, keys: torch.Tensor, scores: torch.Tensor, pending: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """Restore priority after batched placement: a pending key takes the slot of the
+        lowest-priority key this batch placed in its candidate buckets, if that key ranks below
+        it; the displaced key becomes pending and may displace in turn.
+
+        Args:
+            keys, scores (Tensor[int64]): [M] new keys in priority order (index = rank).
+            pending (Tensor[int64]): [P] ranks of keys not placed.
+            pos (Tensor[int64]): [M] slot of each placed key, -1 otherwise; updated in place.
+        Returns:
+            ranks still pending (Tensor[int64], ascending) and how many keys were displaced.
+        """
+        flat_keys, flat_scores = self._keys.view(-1), self._scores.view(-1)
+        active = pending
+        displaced = 0
+        while active.numel():
+            placed = (pos >= 0).nonzero().squeeze(1)  # ranks of placed keys, ascending
+            if placed.numel() == 0:
+                break
+            by_pos = torch.sort(pos.index_select(0, placed))
+            cand = self._candidate_slots(keys.index_select(0, active), _pick(seg, active))  # [A, 2W]
+            at = torch.searchsorted(by_pos.values, cand).clamp_(max=placed.numel() - 1)
+            hit = by_pos.values.index_select(0, at.view(-1)).view(cand.shape) == cand
+            rank = torch.where(hit, placed.index_select(0, by_pos.indices.index_select(0, at.view(-1))).view(cand.shape), -1)
+            victim_rank, best = rank.max(1)  # lowest-priority batch key among the candidates
+            eligible = victim_rank > active
+            active, victim_rank = active[eligible], victim_rank[eligible]
+            if active.numel() == 0:
+                break
+            victim_pos = cand[eligible].gather(1, best[eligible][:, None]).squeeze(1)
+            # Two keys wanting one slot: the higher priority (lower rank) wins; active is ascending.
+            by_victim = torch.sort(victim_pos, stable=True)
+            first = torch.ones_like(victim_pos, dtype=torch.bool)
+            first[1:] = by_victim.values[1:] != by_victim.values[:-1]
+            winner = torch.zeros_like(first).index_fill_(0, by_victim.indices[first], True)
+            w_rank, w_pos, loser_rank = active[winner], victim_pos[winner], victim_rank[winner]
+            # The winner inherits the displaced key's slot and row id.
+            flat_keys.scatter_(0, w_pos, keys.index_select(0, w_rank))
+            flat_scores.scatter_(0, w_pos, scores.index_select(0, w_rank))
+            pos.scatter_(0, w_rank, w_pos)
+            pos.index_fill_(0, loser_rank, -1)
+            displaced += loser_rank.numel()
+            pending = torch.cat([pending[~torch.isin(pending, w_rank)], loser_rank])
+            active = torch.sort(torch.cat([active[~winner], loser_rank])).values
+        return torch.sort(pending).values, displaced
+
+    def _evict_for(self, keys: torch.Tensor, scores: torch.Tensor, locked_pos: torch.Tensor, seg: torch.Tensor | None = None):
+        """Place P keys (priority order) whose buckets are full by evicting, for each, the
+        lowest-scored unlocked key of its 2W candidate slots (ties: bucket 1 before bucket 2,
+        lower slot first), if that score is not above its own (lfu: whatever its score).
+        Keys proceed in priority order wherever they share a bucket; the others wait a round.
+
+        Returns:
+            pos (Tensor[int64]): [P] slot taken, -1 if the key failed.
+            evicted keys, rows, scores (Tensor[int64]): [E] each.
+        """
+        W = self.bucket_capacity
+        lock = self._lock
+        lock.index_fill_(0, locked_pos, True)
+        flat_keys, flat_scores, flat_rows = self._keys.view(-1), self._scores.view(-1), self._rows.view(-1)
+        flat_used = self._used.view(-1)
+        candidates = self._candidate_slots(keys, seg)  # [P, 2W]
+        pos = torch.full_like(keys, -1)
+        active = torch.arange(keys.numel(), device=self.device)
+        won = []
+        while active.numel():
+            cand = candidates.index_select(0, active)  # [A, 2W]
+            flat = cand.view(-1)
+            # An empty slot is never a victim (free slots were offered before eviction).
+            blocked = (lock.index_select(0, flat) | ~flat_used.index_select(0, flat)).view(cand.shape)
+            masked = flat_scores.index_select(0, flat).view(cand.shape).masked_fill_(blocked, _MAX_SCORE)
+            victim_score = masked.amin(1)  # [A]
+            # Unblocked slots holding the lowest score; "unblocked" matters when that score is
+            # the int64 maximum, which blocked slots were filled with.
+            lowest = (masked == victim_score[:, None]) & ~blocked
+            best = lowest.view(torch.uint8).argmax(1)  # [A] first lowest: the tie order
+            eligible = lowest.any(1)
+            if self.strategy is not ScoreStrategy.LFU:
+                eligible &= scores.index_select(0, active) >= victim_score
+            victim = cand.gather(1, best[:, None]).squeeze(1)
+            active, victim = active[eligible], victim[eligible]
+            if active.numel() == 0:
+                break
+            # A key waits while a higher-priority key still contends for one of its buckets (else
+            # it could take a slot that key needs next round); the top key always proceeds.
+            buckets = cand[eligible][:, [0, W]] // W  # [A, 2]
+            shared, inverse = torch.unique(buckets.reshape(-1), return_inverse=True)
+            top = torch.full_like(shared, _MAX_SCORE).scatter_reduce_(0, inverse, active.repeat_interleave(2), reduce="amin")
+            winner = (top.index_select(0, inverse).view(-1, 2) >= active[:, None]).all(1)
+            w_keys, w_pos = active[winner], victim[winner]
+            won.append((flat_keys.index_select(0, w_pos), flat_rows.index_select(0, w_pos), flat_scores.index_select(0, w_pos), w_pos))
+            flat_keys.scatter_(0, w_pos, keys.index_select(0, w_keys))
+            flat_scores.scatter_(0, w_pos, scores.index_select(0, w_keys))
+            lock.index_fill_(0, w_pos, True)
+            pos.scatter_(0, w_keys, w_pos)
+            active = active[~winner]
+        lock.index_fill_(0, locked_pos, False)
+        lock.index_fill_(0, pos[pos >= 0], False)
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        *evicted, taken = [torch.cat(parts) for parts in zip(*won)] if won else [empty] * 4
+        self._count("evictions", taken)
+        self._count("inserts", taken)
+        return (pos, *evicted, taken)
