@@ -47,7 +47,7 @@ from test_sharded import _collect_unsharded, _contents, _model, _same, _train
 import dynemb
 import dynemb.checkpoint as ckpt
 import dynemb.distributed
-from dynemb.checkpoint import files, leftovers
+from dynemb.checkpoint import chain, files, leftovers, loading
 from dynemb.distributed.comm import Comm
 from spawning import run_ranks
 
@@ -88,8 +88,9 @@ class Seams:
         setattr_(leftovers, "shutil", _Patched(shutil, rmtree=wrap("sweep", shutil.rmtree)))
         for name, module, attr in (("manifest", files, "read_manifest"), ("verify", files, "verify_files"), ("read", files, "read_tensors")):
             setattr_(module, attr, wrap(name, getattr(module, attr)))
-        setattr_(ckpt, "load_file", wrap("load_file", ckpt.load_file))
-        setattr_(ckpt, "_install", wrap("install", ckpt._install))
+        for module in (chain, loading):
+            setattr_(module, "load_file", wrap("load_file", module.load_file))
+        setattr_(loading, "install", wrap("install", loading.install))
         if sharded:
             setattr_(Comm, "all_gather_object", wrap("gather", Comm.all_gather_object))
 

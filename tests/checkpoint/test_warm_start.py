@@ -355,7 +355,7 @@ def test_cuckoo_paths_move_keys_and_evict_the_lowest_reachable():
     """The placement behind warm starts, on a two-bucket index of width 2 (buckets 0 and 1):
     a key left out reaches a free slot by moving a key to its other bucket, and with evict a key
     with no free slot in reach replaces a lower-priority key it can reach."""
-    from dynemb.checkpoint import _place_exact
+    from dynemb.table.exact import place_exact as _place_exact
     from dynemb.table.index import KeyIndex
 
     index = KeyIndex(capacity=4, bucket_capacity=2, score_strategy="step")

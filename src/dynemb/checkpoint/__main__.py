@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from dynemb.checkpoint import chain_of
 from dynemb.checkpoint import files as _files
+from dynemb.checkpoint.chain import chain_of
 from dynemb.checkpoint.tables import DTYPES
 from dynemb.errors import CheckpointError
 

@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata, init_from_local_shards
 
-from dynemb.checkpoint import _comm_of, _current_rows, _install, _locked, _plan_engines
+from dynemb.checkpoint.common import comm_of, locked
+from dynemb.checkpoint.rebuild import current_rows, install, plan_engines
 from dynemb.checkpoint.tables import entries
 from dynemb.distributed.engine import Route
 from dynemb.nn import DynamicEmbeddingBagCollection, DynamicEmbeddingCollection, DynamicTable
@@ -46,7 +47,7 @@ def table_prefixes(module: torch.nn.Module) -> tuple[str, ...]:
 def is_sharded_model(module: torch.nn.Module) -> bool:
     """Whether ``module`` holds dynemb tables sharded by :func:`dynemb.distributed.shard`."""
     es = entries(module)
-    return bool(es) and _comm_of(es) is not None
+    return bool(es) and comm_of(es) is not None
 
 
 def _sharded(local: torch.Tensor, offset: int, total: int) -> ShardedTensor:
@@ -60,11 +61,11 @@ def state_dict(module: torch.nn.Module, saved: dict) -> dict:
     """The sharded model's DCP state; with ``saved`` (sizes from the checkpoint being loaded)
     the table entries are empty templates split evenly over the ranks."""
     es = entries(module)
-    comm = _comm_of(es)
+    comm = comm_of(es)
     prefixes = table_prefixes(module)
     state = {k: v for k, v in module.state_dict().items() if not k.startswith(prefixes)}
     W, r = dist.get_world_size(), dist.get_rank()
-    with _locked(es):
+    with locked(es):
         for e in es:
             name = f"{PREFIX}{e.name}."
             width = e.engine.width
@@ -77,7 +78,7 @@ def state_dict(module: torch.nn.Module, saved: dict) -> dict:
                 state[f"{name}scores"] = _sharded(torch.empty(hi - lo, dtype=torch.int64), lo, n)
                 state[f"{name}counters"] = torch.zeros(len(_COUNTERS), dtype=torch.int64)
                 continue
-            keys, values, scores = _current_rows(e)
+            keys, values, scores = current_rows(e)
             counts = comm.all_gather_object((keys.numel(), [e.counters()[c] for c in _COUNTERS]))
             offset, total = sum(c for c, _ in counts[:r]), sum(c for c, _ in counts)
             state[f"{name}keys"] = _sharded(keys, offset, total)
@@ -98,7 +99,7 @@ def _local(t) -> torch.Tensor:
 def load_state_dict(module: torch.nn.Module, state: dict, *, strict: bool = True) -> None:
     """Send every loaded row to its key's owner, rebuild each rank's tables, copy dense entries."""
     es = entries(module)
-    comm = _comm_of(es)
+    comm = comm_of(es)
     prefixes = table_prefixes(module)
     mine = {k: v for k, v in module.state_dict().items() if not k.startswith(prefixes)}
     dense = {k: v for k, v in state.items() if not k.startswith(PREFIX)}
@@ -120,11 +121,11 @@ def load_state_dict(module: torch.nn.Module, state: dict, *, strict: bool = True
         counters = dict(zip(_COUNTERS, state[f"{name}counters"].tolist()))
         counters["index"] = [keys.numel(), 0, 0, 0]
         data[e.name] = {"keys": keys, "values": values, "scores": scores, "entry": {"counters": counters}}
-    with _locked(es):
-        plans, _ = _plan_engines(es, data, on_overflow="raise", use_layout=False)
+    with locked(es):
+        plans, _ = plan_engines(es, data, on_overflow="raise", use_layout=False)
         with torch.no_grad():
             for k, v in dense.items():
                 if k in mine:
                     mine[k].copy_(v)
         for members, fresh, parts in plans:
-            _install(members, fresh, parts, data, True)
+            install(members, fresh, parts, data, True)
