@@ -12,7 +12,7 @@ import torch
 from dynemb.checkpoint.tables import Entry
 
 
-def progress(total: int, desc: str, enabled: bool):
+def progress_bar(total: int, desc: str, enabled: bool):
     if not enabled:
         return None
     try:
@@ -34,7 +34,7 @@ def locked(es: list[Entry]):
         yield
 
 
-def dense_state(model: torch.nn.Module, es: list[Entry]) -> dict[str, torch.Tensor]:
+def dense_entries(model: torch.nn.Module, es: list[Entry]) -> dict[str, torch.Tensor]:
     prefixes = tuple((e.module_path + ".") if e.module_path else "" for e in es)
     if "" in prefixes:
         return {}

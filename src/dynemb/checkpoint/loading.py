@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from dynemb.checkpoint import files as _files
 from dynemb.checkpoint import leftovers
 from dynemb.checkpoint.chain import chain_of, counter, read_table
-from dynemb.checkpoint.common import comm_of, locked
+from dynemb.checkpoint.common import comm_of, dense_entries, locked, progress_bar
 from dynemb.checkpoint.rebuild import admission_of, install, plan_engines
 from dynemb.checkpoint.tables import entries
 from dynemb.errors import CheckpointError
@@ -75,7 +75,7 @@ def load(
     # Rows files of the tables read below are hashed as they are read (one read per file);
     # every other file is hashed here.
     read_here = names & set(by_name)
-    bar = progress(len(chain), "dynemb verify", progress)
+    bar = progress_bar(len(chain), "dynemb verify", progress)
     for directory, manifest in chain:
         if verify:
             skip = {f["path"] for n in read_here for f in manifest["tables"][n]["files"] if f["role"] == "rows"}
@@ -138,7 +138,7 @@ def load(
         if "dense" not in last:
             raise CheckpointError("dense=True but the checkpoint holds no dense state (saved without dense=True)", last_dir)
         dense_state = _files.read_tensors(last_dir, last["dense"], {k: (None, None) for k in load_file(last_dir / last["dense"]["path"])})
-        mine = dense_state(model, es)
+        mine = dense_entries(model, es)
         wrong = sorted(k for k in dense_state if k not in mine or mine[k].shape != dense_state[k].shape)
         absent = sorted(k for k in mine if k not in dense_state)
         if wrong or (strict and absent):

@@ -12,7 +12,7 @@ import torch
 
 from dynemb._version import __version__
 from dynemb.checkpoint import files as _files
-from dynemb.checkpoint.common import comm_of, dense_state, locked
+from dynemb.checkpoint.common import comm_of, dense_entries, locked, progress_bar
 from dynemb.checkpoint.tables import DTYPE_NAMES, Entry, config_json, entries, optimizer_json
 from dynemb.errors import CheckpointError
 from dynemb.nn.functional import warn_nonfinite_keys
@@ -191,7 +191,7 @@ def _save(model, path, *, delta_of: tuple[Path, dict] | None, chunk_rows: int, o
                             "save_delta needs the checkpoint most recently saved or loaded by this model as base",
                             base_dir,
                         )
-                bar = progress(sum(_size(e) for e in es), "dynemb save", progress)
+                bar = progress_bar(sum(_size(e) for e in es), "dynemb save", progress)
                 tables = {
                     e.name: _write_table(writer, e, chunk_rows, delta=delta_of is not None, layout=layout and delta_of is None, bar=bar, rank=rank) for e in es
                 }
@@ -231,7 +231,7 @@ def _save(model, path, *, delta_of: tuple[Path, dict] | None, chunk_rows: int, o
                     manifest["chain"] = [*base.get("chain", []), base["id"]]
                 try:
                     if dense:
-                        state = dense_state(model, es)
+                        state = dense_entries(model, es)
                         if state:
                             manifest["dense"] = writer.write_tensors(_DENSE, state, "dense")
                     writer.commit(manifest)
