@@ -93,9 +93,6 @@ def loss_of(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((out - target) ** 2).sum() + 0.5 * out.sum()
 
 
-# -- option ------------------------------------------------------------------------------------
-
-
 def test_update_option_is_validated():
     with pytest.raises(ValueError, match="update='bogus' is not one of 'fused', 'deferred'"):
         dynemb.DynamicEmbedding(D, 64, optimizer=dynemb.optim.SGD(), update="bogus")
@@ -104,9 +101,6 @@ def test_update_option_is_validated():
     assert dynemb.DynamicEmbedding(D, 64, optimizer=dynemb.optim.SGD()).update_mode == "fused"
     bag = dynemb.DynamicEmbeddingBag(D, 64, optimizer=dynemb.optim.SGD(), update="DEFERRED")
     assert bag.update_mode == "deferred" and "update='deferred'" in repr(bag)
-
-
-# -- accumulation: K micro-batches deferred == one K-times larger batch fused --------------------
 
 
 @pytest.mark.parametrize("pooled", [False, True], ids=["sequence", "pooled"])
@@ -212,9 +206,6 @@ def test_one_optimizer_steps_every_registered_table():
     assert len(params) == 1 and params[0] is b._pending[0].param
 
 
-# -- second backward through one lookup ----------------------------------------------------------
-
-
 @pytest.mark.parametrize("pooled", [False, True], ids=["sequence", "pooled"])
 def test_second_backward_accumulates_like_dense_torch(pooled):
     torch.manual_seed(0)
@@ -239,9 +230,6 @@ def test_second_backward_still_raises_when_fused():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice through one dynemb lookup"):
         loss.backward()
-
-
-# -- clipping --------------------------------------------------------------------------------------
 
 
 def dense_twin(lr: float):
@@ -308,9 +296,6 @@ def test_clip_grad_norm_counts_a_gradient_once_and_checks_finiteness():
         dynemb.clip_grad_norm_([table, 3], 1.0)
 
 
-# -- GradScaler ------------------------------------------------------------------------------------
-
-
 def test_grad_scaler_matches_dense_torch():
     """A step with an inf gradient is skipped (rows unchanged, the scale halves), the others
     applied, as for nn.Embedding(sparse=False) + torch.optim.SGD under the same scaler."""
@@ -360,9 +345,6 @@ def test_grad_scaler_step_with_nothing_pending():
     scaler.step(table.optimizer)
     scaler.update()
     assert table.optimizer_step == 0
-
-
-# -- non-finite gradients, state, optimizer API ----------------------------------------------------
 
 
 def nan_step(policy: str):
@@ -488,9 +470,6 @@ def test_owner_with_several_placeholders_is_stepped_once_and_clipped_whole():
     assert [len(acc) for acc in owner.accs] == [0, 0]
     opt.unregister_deferred(owner)
     assert opt.param_groups[0]["params"] == []
-
-
-# -- GradAccumulator ---------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("with_segments", [False, True])

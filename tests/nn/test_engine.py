@@ -93,7 +93,9 @@ def test_counters_round_trip_through_the_contract():
     fresh = engine.fresh()
     for s in range(2):
         c = engine.counters(s)
-        fresh.set_counters(s, optimizer_step=c["optimizer_step"], nonfinite_grads=c["nonfinite_grads"], index=c["index"], generator_state=c["generator"].get_state())
+        fresh.set_counters(
+            s, optimizer_step=c["optimizer_step"], nonfinite_grads=c["nonfinite_grads"], index=c["index"], generator_state=c["generator"].get_state()
+        )
         got = fresh.counters(s)
         assert (got["optimizer_step"], got["nonfinite_grads"], got["index"]) == (c["optimizer_step"], c["nonfinite_grads"], c["index"])
     assert fresh.table_stats(0)["size"] == 0

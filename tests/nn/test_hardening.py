@@ -33,9 +33,6 @@ def assert_unchanged(t: dynemb.DynamicTable, before: dict) -> None:
         assert torch.equal(after[name], before[name]), name
 
 
-# -- 3: inference mode ---------------------------------------------------------------------
-
-
 @pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
 @pytest.mark.parametrize("bag", [False, True])
 def test_lookup_under_inference_mode_never_breaks_training(mode, bag):
@@ -65,9 +62,6 @@ def test_training_lookup_under_no_grad_inserts_but_does_not_update():
     assert not out.requires_grad and t.size() == 2 and t.stats()["step"] == 1
     before, _ = t.find(torch.tensor([1, 2]))
     torch.testing.assert_close(before, out, rtol=0, atol=0)
-
-
-# -- 4: threads ----------------------------------------------------------------------------
 
 
 def test_concurrent_find_gives_correct_results():
@@ -116,9 +110,6 @@ def test_concurrent_training_never_corrupts_the_table():
     b, fb = serial.find(keys)
     assert torch.equal(fa, fb) and torch.equal(a, b)
     assert shared.size() == serial.size()
-
-
-# -- 5: bad input changes nothing ------------------------------------------------------------
 
 
 def _bad_calls():
@@ -182,9 +173,6 @@ def test_unavailable_device_and_absurd_capacity_raise_value_error():
         table(capacity=1 << 62)
 
 
-# -- 6: non-finite gradients ------------------------------------------------------------------
-
-
 def _nan_step(t):
     out = t(torch.tensor([1, 2, 3]))
     scale = torch.ones(3, 1)
@@ -218,9 +206,6 @@ def test_nonfinite_grads_raise_and_apply():
     assert torch.isnan(t.find(torch.tensor([2]))[0]).all()
     with pytest.raises(ValueError, match="nonfinite_grads='sometimes'"):
         table(nonfinite_grads="sometimes")
-
-
-# -- 7: module behaviour ---------------------------------------------------------------------
 
 
 def test_second_backward_says_what_happened():
@@ -297,9 +282,6 @@ def test_lfu_with_raise_keeps_training_once_full():
         ids = torch.arange(step * 20, step * 20 + 20)
         t(torch.cat([ids, ids[:5]])).sum().backward()
     assert t.size() <= t.capacity() and t.stats()["evictions"] > 0
-
-
-# -- 9: nothing leaves silently ----------------------------------------------------------------
 
 
 def test_full_size_table_takes_95_percent_before_any_eviction():

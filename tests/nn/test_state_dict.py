@@ -61,8 +61,10 @@ def test_save_restart_process_load_continues_bitwise(tmp_path):
 def test_restore_into_other_geometry_reinserts_and_trains_on(pooled):
     table, _ = run("rowwise_adagrad", pooled, 5)
     state = table.state_dict()
-    other = dynemb.DynamicEmbeddingBag(4, 400, mode="sum", optimizer=dynemb.optim.RowWiseAdagrad(lr=0.1), bucket_capacity=8) if pooled else dynemb.DynamicEmbedding(
-        4, 400, optimizer=dynemb.optim.RowWiseAdagrad(lr=0.1), bucket_capacity=8
+    other = (
+        dynemb.DynamicEmbeddingBag(4, 400, mode="sum", optimizer=dynemb.optim.RowWiseAdagrad(lr=0.1), bucket_capacity=8)
+        if pooled
+        else dynemb.DynamicEmbedding(4, 400, optimizer=dynemb.optim.RowWiseAdagrad(lr=0.1), bucket_capacity=8)
     )
     other.load_state_dict(state)
     a = {k: v for k, v in zip(state["keys"].tolist(), state["embeddings"])}

@@ -352,7 +352,6 @@ class ShardedEngine:
             self.comm.end()
         return skipped
 
-
     def resolve(self, keys, segments=None, *, train, now, counts=None, insertable=None, scores=None, evicted_contents=False, init_rows=True) -> Resolved:
         """The contract's resolve, collectively: each key resolved by its owner."""
         r, rows, found, inserted, failed = self._resolve(

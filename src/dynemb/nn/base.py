@@ -105,7 +105,9 @@ class EngineContract(Protocol):
         """One fused optimizer step on the rows [U] of distinct keys [U] with gradients [U, D];
         returns the number of keys skipped for a non-finite gradient or update."""
 
-    def apply_pending(self, keys: torch.Tensor, grads: torch.Tensor, *, segments: torch.Tensor | None = None, nonfinite: NonFiniteGrads = NonFiniteGrads.SKIP) -> int:
+    def apply_pending(
+        self, keys: torch.Tensor, grads: torch.Tensor, *, segments: torch.Tensor | None = None, nonfinite: NonFiniteGrads = NonFiniteGrads.SKIP
+    ) -> int:
         """One optimizer step with deferred gradients [P, D] of distinct keys [P]; keys that
         left since are skipped; nothing at all (not even a step count) when no key is given."""
 

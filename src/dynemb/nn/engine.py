@@ -304,7 +304,9 @@ class Engine:
         """Row ids of keys [N] (-1 where absent) and whether found, without side effects."""
         return self.index.find(keys) if segments is None else self.index.find(keys, segments=segments)
 
-    def apply_pending(self, keys: torch.Tensor, grads: torch.Tensor, *, segments: torch.Tensor | None = None, nonfinite: NonFiniteGrads = NonFiniteGrads.SKIP) -> int:
+    def apply_pending(
+        self, keys: torch.Tensor, grads: torch.Tensor, *, segments: torch.Tensor | None = None, nonfinite: NonFiniteGrads = NonFiniteGrads.SKIP
+    ) -> int:
         """One optimizer step with deferred gradients [P, D] of distinct keys [P]: keys that left
         the table since are skipped; nothing at all (not even a step count) when P = 0."""
         if keys.numel() == 0:
@@ -445,7 +447,15 @@ class Engine:
             "generator": self.initializers[segment].generator,
         }
 
-    def set_counters(self, segment: int = 0, *, optimizer_step: int | None = None, nonfinite_grads: int | None = None, index: list[int] | None = None, generator_state: torch.Tensor | None = None) -> None:
+    def set_counters(
+        self,
+        segment: int = 0,
+        *,
+        optimizer_step: int | None = None,
+        nonfinite_grads: int | None = None,
+        index: list[int] | None = None,
+        generator_state: torch.Tensor | None = None,
+    ) -> None:
         """Restore one table's counters (a load; see :meth:`counters`); None keeps a value."""
         if optimizer_step is not None:
             self.optimizer_steps[segment] = optimizer_step

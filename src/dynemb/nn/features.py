@@ -18,7 +18,6 @@ class Batch:
         self.stacked = stacked  # lengths [F, B]
 
 
-
 def parse_features(features, feature_names: list[str], device: torch.device, *, pooled: bool, weighted: bool) -> Batch:
     """Check a collection's input (a KeyedJaggedTensor, duck-typed, or a dict ``feature ->
     (values, lengths[, weights])``) and split it per feature, in ``feature_names`` order; raises

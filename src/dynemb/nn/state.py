@@ -182,7 +182,15 @@ def _parse_table(module, t: int, state: dict, prefix: str) -> dict:
     # Non-finite rows (nonfinite_grads='apply') load as they were saved, with a warning.
     warn_nonfinite(keys, values, f"state entries '{prefix}embeddings' / '{prefix}optimizer_state'")
     admission = {k[len(f"{prefix}admission.") :]: v for k, v in state.items() if k.startswith(f"{prefix}admission.")}
-    return {"keys": keys, "values": values, "scores": scores, "optimizer_step": optimizer_step, "counters": counters, "generator": generator, "admission": admission}
+    return {
+        "keys": keys,
+        "values": values,
+        "scores": scores,
+        "optimizer_step": optimizer_step,
+        "counters": counters,
+        "generator": generator,
+        "admission": admission,
+    }
 
 
 def rebuilt_engine(engine, parts: list[dict], index_state: dict[str, torch.Tensor] | None, *, now: int, names: list[str]):

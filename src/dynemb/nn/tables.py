@@ -71,7 +71,9 @@ class DynamicTables(torch.nn.Module):
     # Keys of a group come with their table (segment); a plain DynamicTable's engine takes none.
     segmented = True
 
-    def __init__(self, tables: list[TableConfig], optimizer: RowOptimizer | None = None, *, update: UpdateMode | str = UpdateMode.FUSED, store: RowStore | None = None):
+    def __init__(
+        self, tables: list[TableConfig], optimizer: RowOptimizer | None = None, *, update: UpdateMode | str = UpdateMode.FUSED, store: RowStore | None = None
+    ):
         super().__init__()
         if optimizer is not None and not isinstance(optimizer, RowOptimizer):
             raise TypeError(f"optimizer={optimizer!r}: must be a dynemb.optim optimizer (SGD, Adagrad, RowWiseAdagrad, Adam) or None")
@@ -188,7 +190,9 @@ class DynamicTables(torch.nn.Module):
                 if sel.numel():
                     adm = self.admissions[group.tables[s]]
                     insertable.index_copy_(0, sel, adm.admit(keys.index_select(0, sel), counts.index_select(0, sel), self.step))
-        r = engine.resolve(keys, segs, train=True, now=self._now(), counts=counts, insertable=insertable, scores=given, evicted_contents=bool(self._evict_hooks), **kw)
+        r = engine.resolve(
+            keys, segs, train=True, now=self._now(), counts=counts, insertable=insertable, scores=given, evicted_contents=bool(self._evict_hooks), **kw
+        )
         for s in admitting:
             self.admissions[group.tables[s]].forget(keys[r.inserted if segs is None else r.inserted & (segs == s)])
         return r
@@ -364,7 +368,9 @@ class DynamicTables(torch.nn.Module):
             # A warm start bypasses admission: the caller decides which keys belong.
             r = self._resolve_train(g, unique, segs, counts, scores=given, admit=False, init_rows=values.shape[1] != engine.width)
             ok = r.ok.nonzero().squeeze(1)
-            engine.write_rows(unique.index_select(0, ok), r.rows.index_select(0, ok), values.index_select(0, ok), segments=None if segs is None else segs.index_select(0, ok))
+            engine.write_rows(
+                unique.index_select(0, ok), r.rows.index_select(0, ok), values.index_select(0, ok), segments=None if segs is None else segs.index_select(0, ok)
+            )
             # Keys that did fit hold the caller's values before a failure is raised.
             failures = self._report(g, r)
         self._raise_failures(failures)

@@ -54,7 +54,9 @@ class DeviceRowStore:
 
     def scatter(self, rows: torch.Tensor, values: torch.Tensor) -> None:
         if values.dim() != 2 or values.shape[1] > self.width or values.dtype != self.dtype:
-            raise ValueError(f"values: [{values.shape[0]}, {values.shape[1] if values.dim() == 2 else '?'}] {values.dtype}, must be [n, <= {self.width}] {self.dtype}")
+            raise ValueError(
+                f"values: [{values.shape[0]}, {values.shape[1] if values.dim() == 2 else '?'}] {values.dtype}, must be [n, <= {self.width}] {self.dtype}"
+            )
         if self.device.type == "cpu" and rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.data.shape[0]):
             # index_copy_ would write the rows before a bad id; on CPU the check costs one pass
             # (on CUDA it would cost a host sync, and the kernel's own assert stops the process).

@@ -59,7 +59,13 @@ class IndexResult:
 
 @runtime_checkable
 class Index(Protocol):
-    """What the layers above rely on from a key index (implemented by :class:`KeyIndex`)."""
+    """What the layers above rely on from a key index (implemented by :class:`KeyIndex`).
+
+    An index is a list of segments (a collection group's tables, each with its own bucket
+    range, capacity, scores, eviction and growth); a plain table's index has one. Every call
+    that takes keys takes ``segments`` (Tensor[int64] of the keys' shape, the segment of each
+    key): required with several segments, optional (None) with one (docs/design/0025).
+    """
 
     def size(self) -> int:
         """K, keys held."""
@@ -67,10 +73,10 @@ class Index(Protocol):
     def capacity(self) -> int:
         """Most keys the index can hold (the requested capacity rounded up, at most 2x)."""
 
-    def find(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def find(self, keys: torch.Tensor, *, segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Row ids without side effects: keys (Tensor[int64]) [*] -> rows [*] (-1 absent), found [*]."""
 
-    def scores(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def scores(self, keys: torch.Tensor, *, segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores without side effects: keys [*] -> scores [*] (0 absent), found [*]."""
 
     def upsert_unique(
@@ -80,8 +86,9 @@ class Index(Protocol):
         *,
         now: int | None = None,
         given: torch.Tensor | None = None,
+        segments: torch.Tensor | None = None,
     ) -> IndexResult:
-        """Find U distinct, ascending keys and insert the missing ones, evicting where full.
+        """Find U distinct (segment, key) pairs, sorted by segment then key, and insert the missing ones, evicting where full.
 
         Args:
             unique (Tensor[int64]): [U] distinct keys, sorted ascending.
@@ -91,11 +98,36 @@ class Index(Protocol):
             given (Tensor[int64] | None): [U] scores to assign (``customized``; any strategy).
         """
 
-    def find_or_insert(self, keys: torch.Tensor, *, now: int | None = None, scores: torch.Tensor | None = None) -> IndexResult:
+    def find_or_insert(
+        self, keys: torch.Tensor, *, now: int | None = None, scores: torch.Tensor | None = None, segments: torch.Tensor | None = None
+    ) -> IndexResult:
         """:meth:`upsert_unique` on keys [N] with duplicates; the result is over the N keys."""
 
-    def erase(self, keys: torch.Tensor) -> IndexResult:
+    def erase(self, keys: torch.Tensor, *, segments: torch.Tensor | None = None) -> IndexResult:
         """Remove keys [N] (duplicates allowed); their row ids go back to the free list."""
 
     def export(self, chunk_size: int = 1 << 16) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(keys, rows, scores), each Tensor[int64] [K'], over every held key, in slot order."""
+
+    def export_segment(self, segment: int, chunk_size: int = 1 << 16) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(keys, rows, scores) of one segment's keys, as :meth:`export`."""
+
+    def export_slots(self, chunk_size: int = 1 << 16, *, segment: int | None = None) -> Iterator[tuple[torch.Tensor, ...]]:
+        """(keys, rows, scores, slots) in slot order (slots: each key's flat slot), one segment
+        or all: what a checkpoint saves as the layout an exact load restores."""
+
+    def locate(self, keys: torch.Tensor, segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat slot [N] of each key (-1 absent) and found [N]."""
+
+    def counters(self, segment: int | None = None) -> list[int]:
+        """The whole index's inserts, evictions, failed_inserts, growths; or one segment's
+        inserts, evictions, failed_inserts, erased."""
+
+    def set_counters(self, values: list[int], segment: int | None = None) -> None:
+        """Restore :meth:`counters` (a load)."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole index as plain tensors (slots, row ids, free list, counters)."""
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore a :meth:`state_dict` of the same geometry; ValueError (nothing changed) else."""
