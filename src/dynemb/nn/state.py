@@ -174,7 +174,7 @@ def _parse_table(module, t: int, state: dict, prefix: str) -> dict:
         raise ValueError(f"state entry '{prefix}optimizer_step'={optimizer_step}: must be >= 0")
     counters = _tensor(state, f"{prefix}counters", torch.int64, (2,)).tolist()
     generator = _tensor(state, f"{prefix}generator_state", torch.uint8, (None,))
-    if generator.numel() != engine.initializers[0].generator.get_state().numel():
+    if generator.numel() != engine.counters(0)["generator"].get_state().numel():
         raise ValueError(f"state entry '{prefix}generator_state' has {generator.numel()} bytes, not a {engine.device.type} generator state")
     if K and torch.unique(keys).numel() != K:
         raise ValueError(f"state entry '{prefix}keys' holds {K - torch.unique(keys).numel()} duplicate key(s)")
@@ -240,10 +240,6 @@ def rebuilt_engine(engine, parts: list[dict], index_state: dict[str, torch.Tenso
 
 def _load(module, tables: dict[int, dict], index_states: list[dict | None], step: int, last_timestamp: int) -> None:
     """Rebuild every engine of ``module`` from parsed ``tables``, then swap everything in."""
-    if any(e.collective for e in module.engines):
-        # Each rank holds only its keys; a state_dict is one rank's: restoring a sharded table
-        # goes through dynemb.checkpoint (every rank reads the keys it owns).
-        raise ValueError("load_state_dict on a sharded table is not supported: use dynemb.checkpoint.save / load, which reshard by key")
     fresh = [
         rebuilt_engine(engine, [tables[t] for t in group.tables], index_states[g], now=step, names=[module.table_names[t] for t in group.tables])
         for g, (group, engine) in enumerate(zip(module.groups, module.engines))
@@ -265,6 +261,13 @@ def _load(module, tables: dict[int, dict], index_states: list[dict | None], step
         module.restore_table(name, erased=tables[t]["counters"][0], admission=module.admissions[t])
 
 
+def _refuse_sharded(module) -> None:
+    if any(e.collective for e in module.engines):
+        # Each rank holds only its keys; a state_dict is one rank's: restoring a sharded table
+        # goes through dynemb.checkpoint (every rank reads the keys it owns).
+        raise ValueError("load_state_dict on a sharded table is not supported: use dynemb.checkpoint.save / load, which reshard by key")
+
+
 def _clock(state: dict) -> tuple[int, int]:
     step, last = (int(_tensor(state, name, torch.int64, ())) for name in ("step", "last_timestamp"))
     for name, value in (("step", step), ("last_timestamp", last)):
@@ -275,6 +278,7 @@ def _clock(state: dict) -> tuple[int, int]:
 
 def load_table_entries(table, state: dict[str, torch.Tensor]) -> None:
     """Restore a DynamicTable (lock held by the caller) from its entries; see the module docstring."""
+    _refuse_sharded(table)
     step, last_timestamp = _clock(state)
     parsed = _parse_table(table, 0, state, "")
     index_state = {name[len("index.") :]: value for name, value in state.items() if name.startswith("index.")}
@@ -284,6 +288,7 @@ def load_table_entries(table, state: dict[str, torch.Tensor]) -> None:
 
 def load_collection_entries(collection, state: dict[str, torch.Tensor]) -> None:
     """Restore a collection (lock held by the caller) from its entries; see the module docstring."""
+    _refuse_sharded(collection)
     step, last_timestamp = _clock(state)
     tables = {t: _parse_table(collection, t, state, f"{name}.") for t, name in enumerate(collection.table_names)}
     index_states = [{k[len(f"groups.{g}.index.") :]: v for k, v in state.items() if k.startswith(f"groups.{g}.index.")} for g in range(len(collection.engines))]
