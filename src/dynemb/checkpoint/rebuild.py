@@ -165,7 +165,7 @@ def install(members: list[Entry], fresh, parts, data: dict, optimizer_state: boo
     keep their step count, counters and generator."""
     module = members[0].module
     for s, d, e in parts:
-        table = module.table_names[0] if e.table is None else e.table
+        table = e.module_table
         segment = s or 0
         if e.name not in data:
             old = e.engine.counters(segment)

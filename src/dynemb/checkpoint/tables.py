@@ -33,9 +33,14 @@ class Entry:
         return self.table is not None
 
     @property
+    def module_table(self) -> str:
+        """The table's name in its module (a DynamicTable's one table has one too)."""
+        return self.module.table_names[0] if self.table is None else self.table
+
+    @property
     def location(self) -> tuple:
         """(engine, segment or None, table index in a collection or None)."""
-        engine, s, t = self.module.location(self.module.table_names[0] if self.table is None else self.table)
+        engine, s, t = self.module.location(self.module_table)
         return engine, (s if engine.segmented else None), (None if self.table is None else t)
 
     @property
@@ -44,7 +49,7 @@ class Entry:
 
     @property
     def config(self) -> TableConfig:
-        return self.module.table_configs[self.module.location(self.module.table_names[0] if self.table is None else self.table)[2]]
+        return self.module.table_configs[self.module.location(self.module_table)[2]]
 
     @property
     def optimizer(self):
@@ -60,7 +65,7 @@ class Entry:
 
     @property
     def admission(self):
-        return self.module.admissions[self.module.location(self.module.table_names[0] if self.table is None else self.table)[2]]
+        return self.module.admissions[self.module.location(self.module_table)[2]]
 
     @property
     def generator(self) -> torch.Generator:
@@ -88,7 +93,7 @@ class Entry:
 
     def counters(self) -> dict:
         """The table's counters as a manifest lists them (see docs/format.md)."""
-        c = self.module.table_counters(self.module.table_names[0] if self.table is None else self.table)
+        c = self.module.table_counters(self.module_table)
         return {k: c[k] for k in ("step", "optimizer_step", "last_timestamp", "erased", "nonfinite_grads", "index")}
 
     def changes(self) -> ChangeLog:
