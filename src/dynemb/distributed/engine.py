@@ -90,6 +90,23 @@ class ShardedEngine:
         return self.local.optimizer
 
     @property
+    def config(self):
+        """This rank's share of the first table (a plain table's own)."""
+        return self.local.config
+
+    @property
+    def initializers(self):
+        return self.local.initializers
+
+    @property
+    def initializer(self):
+        return self.local.initializer
+
+    @property
+    def optimizer_step(self) -> int:
+        return self.local.optimizer_step
+
+    @property
     def embedding_dim(self) -> int:
         return self.local.embedding_dim
 
@@ -159,8 +176,8 @@ class ShardedEngine:
     def counters(self, segment: int = 0) -> dict[str, object]:
         return self.local.counters(segment)
 
-    def set_counters(self, segment: int = 0, **counters) -> None:
-        self.local.set_counters(segment, **counters)
+    def set_counters(self, segment: int = 0, *, optimizer_step=None, nonfinite_grads=None, index=None, generator_state=None) -> None:
+        self.local.set_counters(segment, optimizer_step=optimizer_step, nonfinite_grads=nonfinite_grads, index=index, generator_state=generator_state)
 
     def fresh(self) -> ShardedEngine:
         """This sharded engine (same Comm and id) over an empty local engine (a load fills it)."""

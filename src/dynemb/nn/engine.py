@@ -119,6 +119,8 @@ class Engine:
             raise ValueError(
                 f"{what} {full_bytes:,} bytes (index and rows of {self.width} x {first.dtype} columns), more than the {total:,} bytes of memory on {first.device}"
             )
+        # A store the caller gave (a DynamicTable's ``store=``) is kept by a load (:meth:`fresh`).
+        self.given_store = store is not None
         try:
             self.index = self._new_index()
             if store is None:
@@ -166,9 +168,14 @@ class Engine:
             device=c.device,
         )
 
-    def fresh(self) -> Engine:
-        """An empty engine of the same tables and optimizer (a load builds one, then swaps it in)."""
-        return Engine(self.configs if self.segmented else self.configs[0], self.optimizer)
+    def fresh(self, *, share_store: bool = False) -> Engine:
+        """An empty engine of the same tables and optimizer (a load builds one, then swaps it in).
+
+        ``share_store``: a store the caller gave this engine serves the new one too (its rows are
+        overwritten as the new engine writes them: only for a load that cannot fail once it
+        writes rows); otherwise the new engine gets a default store."""
+        store = self.store if share_store and self.given_store else None
+        return Engine(self.configs if self.segmented else self.configs[0], self.optimizer, store)
 
     @property
     def num_tables(self) -> int:

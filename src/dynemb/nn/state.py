@@ -81,12 +81,13 @@ def _table_rows(module, t: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _per_table(module, t: int) -> dict[str, torch.Tensor]:
-    """The entries every table has, without prefix (rows, step count, counters, generator, admission)."""
+def _per_table(module, t: int, *, rows: bool = True) -> dict[str, torch.Tensor]:
+    """The entries every table has, without prefix (rows unless ``rows=False``, step count,
+    counters, generator, admission)."""
     engine, s, _ = module.location(module.table_names[t])
     c = engine.counters(s)
     out = {
-        **_table_rows(module, t),
+        **(_table_rows(module, t) if rows else {}),
         "optimizer_step": torch.tensor(c["optimizer_step"], dtype=torch.int64),
         "counters": torch.tensor([module.table_counters(module.table_names[t])["erased"], c["nonfinite_grads"]], dtype=torch.int64),
         "generator_state": c["generator"].get_state(),
@@ -103,7 +104,7 @@ def table_entries(table) -> dict[str, torch.Tensor]:
     index = table.engine.index.state_dict()
     data = table.engine.gather(index["rows"])
     D = table.embedding_dim
-    entry = _per_table(table, 0)
+    entry = _per_table(table, 0, rows=False)
     clock = table.clock()
     state = {
         "keys": index["keys"].clone(),
@@ -198,7 +199,8 @@ def rebuilt_engine(engine, parts: list[dict], index_state: dict[str, torch.Tenso
     [K], whole rows ``values`` [K, D+S], ``scores`` [K]): placed exactly by ``index_state`` when
     it has the engine's geometry and holds exactly these keys, else re-inserted by score.
     Raises ValueError when keys do not fit."""
-    fresh = engine.fresh()
+    # A DynamicTable's own row store is kept (nothing can fail once rows are written below).
+    fresh = engine.fresh(share_store=True)
     device = fresh.device
     keys = torch.cat([p["keys"] for p in parts]).to(device)
     segs = torch.cat([torch.full((p["keys"].numel(),), s, dtype=torch.int64) for s, p in enumerate(parts)]).to(device)
@@ -212,7 +214,7 @@ def rebuilt_engine(engine, parts: list[dict], index_state: dict[str, torch.Tenso
             fresh.index.load_state_dict({k: v.to(device) for k, v in index_state.items()})
             rows, found = fresh.find(keys, seg_arg)
             if not bool(found.all()) or fresh.size() != keys.numel():
-                exact, fresh = False, engine.fresh()
+                exact, fresh = False, engine.fresh(share_store=True)
         if exact:
             fresh.store.reserve(fresh.index.free_list.high_water)
             fresh.store.scatter(rows, values)
@@ -240,16 +242,18 @@ def rebuilt_engine(engine, parts: list[dict], index_state: dict[str, torch.Tenso
 
 def _load(module, tables: dict[int, dict], index_states: list[dict | None], step: int, last_timestamp: int) -> None:
     """Rebuild every engine of ``module`` from parsed ``tables``, then swap everything in."""
-    fresh = [
-        rebuilt_engine(engine, [tables[t] for t in group.tables], index_states[g], now=step, names=[module.table_names[t] for t in group.tables])
-        for g, (group, engine) in enumerate(zip(module.groups, module.engines))
-    ]
+    # Admission counters first (restored if anything below raises); the engines are rebuilt on
+    # the side, a DynamicTable's into its own store, which nothing after the rebuild can fail.
     backups = []
     try:
         for t, adm in enumerate(module.admissions):
             if adm is not None:
                 backups.append((adm, adm.state_dict()))
                 adm.load_state_dict(tables[t]["admission"])
+        fresh = [
+            rebuilt_engine(engine, [tables[t] for t in group.tables], index_states[g], now=step, names=[module.table_names[t] for t in group.tables])
+            for g, (group, engine) in enumerate(zip(module.groups, module.engines))
+        ]
     except Exception:
         for adm, backup in backups:
             adm.load_state_dict(backup)

@@ -180,10 +180,11 @@ class DynamicTables(torch.nn.Module):
         engine, group = self.engines[g], self.groups[g]
         given = scores if scores is not None else self._given_scores(keys.numel())
         insertable = None
-        admitting = [s for s, t in enumerate(group.tables) if self.admissions[t] is not None] if admit else []
-        if admitting:
+        admitting = [s for s, t in enumerate(group.tables) if self.admissions[t] is not None]
+        if admitting and admit:
             _, found = engine.find(keys, segs)
-            insertable = torch.zeros_like(found)
+            # Keys of the group's tables without admission stay insertable.
+            insertable = torch.ones_like(found)
             for s in admitting:
                 missing = ~found if segs is None else ~found & (segs == s)
                 sel = missing.nonzero().squeeze(1)
@@ -193,6 +194,8 @@ class DynamicTables(torch.nn.Module):
         r = engine.resolve(
             keys, segs, train=True, now=self._now(), counts=counts, insertable=insertable, scores=given, evicted_contents=bool(self._evict_hooks), **kw
         )
+        # Keys now in their table leave the admission counter (an insert's too: a key erased
+        # later starts counting afresh).
         for s in admitting:
             self.admissions[group.tables[s]].forget(keys[r.inserted if segs is None else r.inserted & (segs == s)])
         return r
@@ -274,6 +277,7 @@ class DynamicTables(torch.nn.Module):
             failures.extend(self._report(g, r))
         return lookup
 
+    @collective("backward")
     def apply_lookup_gradients(self, lookup: Lookup, grad_u, inverse, grad) -> None:
         """Backward of one lookup: sum per key if needed, then one fused optimizer step of its
         engine's tables (or add to the pending gradient when deferred). Called by the lookup."""
@@ -382,10 +386,13 @@ class DynamicTables(torch.nn.Module):
         keys, _ = agreed_input(engine, "erase", lambda: as_ids(keys, "keys", engine.device), lambda k: {})
         flat = keys.reshape(-1)
         with self._lock:
-            r, contents = engine.erase(flat, self._segments(g, s, flat), evicted_contents=bool(self._evict_hooks))
+            segs = self._segments(g, s, flat)
+            r, contents = engine.erase(flat, segs, evicted_contents=bool(self._evict_hooks))
             self._erased[t] += r.evicted_keys.numel()
             empty = r.evicted_keys.new_empty(0)
-            self._report(g, Resolved(flat, empty, empty, empty, r.evicted_keys, contents, empty))
+            # Reported as the erased table's alone (its segment), through the one exit.
+            left = None if segs is None else r.evicted_segments
+            self._report(g, Resolved(flat, empty, empty, empty, r.evicted_keys, contents, empty, segs, left, None if segs is None else empty))
         return r.found.view(keys.shape)
 
     def _export(self, t: int, chunk_size: int) -> Iterator[dict[str, torch.Tensor]]:

@@ -57,10 +57,12 @@ class DeviceRowStore:
             raise ValueError(
                 f"values: [{values.shape[0]}, {values.shape[1] if values.dim() == 2 else '?'}] {values.dtype}, must be [n, <= {self.width}] {self.dtype}"
             )
-        if self.device.type == "cpu" and rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.data.shape[0]):
+        if self.device.type == "cpu" and rows.numel():
             # index_copy_ would write the rows before a bad id; on CPU the check costs one pass
             # (on CUDA it would cost a host sync, and the kernel's own assert stops the process).
-            raise IndexError(f"rows: ids must lie in [0, {self.data.shape[0]}) (reserved rows), got [{int(rows.min())}, {int(rows.max())}]")
+            low, high = (int(v) for v in torch.aminmax(rows))
+            if low < 0 or high >= self.data.shape[0]:
+                raise IndexError(f"rows: ids must lie in [0, {self.data.shape[0]}) (reserved rows), got [{low}, {high}]")
         with torch.inference_mode(False):
             if values.shape[1] == self.width:
                 self.data.index_copy_(0, rows, values)
