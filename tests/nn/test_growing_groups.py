@@ -19,7 +19,9 @@ FEATURES = ("f_a", "f_b")
 def tables(init: bool) -> list[TableConfig]:
     # Both tables in one group (same dim and options); each grows on its own from 16 keys.
     return [
-        TableConfig(name=n, feature_names=[f], embedding_dim=4, capacity=1024, init_capacity=16 if init else None, bucket_capacity=8, score_strategy="step", seed=s)
+        TableConfig(
+            name=n, feature_names=[f], embedding_dim=4, capacity=1024, init_capacity=16 if init else None, bucket_capacity=8, score_strategy="step", seed=s
+        )
         for n, f, s in (("a", "f_a", 1), ("b", "f_b", 2))
     ]
 
