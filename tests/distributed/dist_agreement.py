@@ -13,6 +13,7 @@ last use) did not move.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -183,15 +184,16 @@ def collection_agreement(worker: Worker, group) -> None:
     check.done()
 
 
-def out_of_step(worker: Worker, group) -> None:
-    """A rank that raises half-way through a call (its owner-side lookup fails after the keys
-    were exchanged) leaves the others waiting in the call: they raise ShardingError naming it
-    and what it did within the timeout; from then on every collective raises ShardingError on
-    every rank saying the tables are out of step and to restore from a checkpoint. Doing that
-    (a new model, shard(), load()) works: it holds the saved rows and trains like the reference."""
-    name, W, r = "out-of-step", group.size(), group.rank()
+def out_of_step(worker: Worker, group, during: str = "forward") -> None:
+    """A rank that raises half-way through a call (its owner-side lookup, or with ``during=
+    "backward"`` its owner-side update, fails after the keys were exchanged) leaves the others
+    waiting in the call: they raise ShardingError naming it and what it did within the timeout;
+    from then on every collective raises ShardingError on every rank saying the tables are out
+    of step and to restore from a checkpoint. Doing that (a new model, shard(), load()) works:
+    it holds the saved rows and trains like the reference."""
+    name, W, r = "out-of-step" if during == "forward" else "out-of-step-backward", group.size(), group.rank()
     check = Checks(r)
-    path = Path(worker.options["checkpoints"]) / f"world{W}"
+    path = Path(worker.options["checkpoints"]) / f"{name}-world{W}"
     table, ref = dynemb.distributed.shard(make_bag(), group, timeout=BROKEN_TIMEOUT), make_bag()
     gen = torch.Generator().manual_seed(65)
     train_table_step(check, group, table, ref, gen, True, "step 0", batch_size(0, W))
@@ -200,15 +202,18 @@ def out_of_step(worker: Worker, group) -> None:
     if r == W - 1:
 
         def fail(*args, **kwargs):
-            raise RuntimeError("injected failure in the owner's lookup")
+            raise RuntimeError(f"injected failure in the owner's {'lookup' if during == 'forward' else 'update'}")
 
-        table.engine.local.resolve = fail
+        if during == "forward":
+            table.engine.local.resolve = fail
+        else:
+            table.engine.local.apply_gradients = fail
     outcome(worker, name, "half-way", lambda: table(local_ids, local_offsets).sum().backward())
     outcome(worker, name, "after", lambda: table(local_ids, local_offsets).sum().backward())
     outcome(worker, name, "save after", lambda: dynemb.checkpoint.save(table, path.with_name(f"{path.name}-after")))
     # A restore after every rank gave up on the old tables (the last rank gives up at once, the
     # others after the timeout).
-    worker.store_barrier(f"restore{W}", 60)
+    worker.store_barrier(f"restore-{name}-{W}", 60)
     fresh = _shard(make_bag(), group)
     dynemb.checkpoint.load(fresh, path)
     check_shards(check, group, "restored", fresh.export(), ref.export())
@@ -223,8 +228,9 @@ CASES: dict[str, Callable] = {
     "calls-differ-table": calls_differ_table,
     "backward-skipped": backward_skipped,
     "collection-agreement": collection_agreement,
-    # Last: its Comm times out (the others' Comms are untouched).
+    # Last: their Comms time out (the others' Comms are untouched; each case shards anew).
     "out-of-step": out_of_step,
+    "out-of-step-backward": functools.partial(out_of_step, during="backward"),
 }
 
 

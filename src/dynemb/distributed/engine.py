@@ -313,11 +313,12 @@ class ShardedEngine:
         key's row (a key given by several ranks gets one of their values)."""
         route, rkeys, rsegs = self._routed(self._call(Kind.WRITE_ROWS), keys, segs)
         rvalues = route.out(values)
-        self.comm.end()
         rows, found = self.local.find(rkeys, rsegs)
         sel = found.nonzero().squeeze(1)
         placed_segs = None if rsegs is None else rsegs.index_select(0, sel)
         self.local.write_rows(rkeys.index_select(0, sel), rows.index_select(0, sel), rvalues.index_select(0, sel), segments=placed_segs)
+        # Ended after the owner's write, as an update (a failed write leaves the ranks out of step).
+        self.comm.end()
 
     def _erase(self, keys, segs, evicted_contents: bool):
         """Each key to its owner, which erases it (and reports it: evict hooks and
@@ -348,8 +349,11 @@ class ShardedEngine:
         found_rows, _ = self.local.find(uk, us)
         kw = {"segments": us, "nonfinite": nonfinite, "stepped": stepped}
         if not raising:
+            # The call ends after the owner's update: an update that fails leaves this shard
+            # behind the others', so the ranks are out of step (Comm.left, by collective_op).
+            skipped = self.local.apply_gradients(uk, found_rows, gsum, **kw)
             self.comm.end()
-            return self.local.apply_gradients(uk, found_rows, gsum, **kw)
+            return skipped
         ended = []
 
         def agree(bad: bool) -> bool:
