@@ -85,3 +85,20 @@ def test_load_state_dict_keeps_a_tables_own_store():
     before = CountingStore.writes
     restored(torch.arange(12)).sum().backward()
     assert CountingStore.writes > before
+
+
+def test_checkpoint_load_gives_a_table_its_own_store_back(tmp_path):
+    def make():
+        return dynemb.DynamicEmbedding(4, 64, optimizer=dynemb.optim.Adagrad(lr=0.1), store=CountingStore(4 + 4, 64, init_rows=2), bucket_capacity=8)
+
+    table = make()
+    table(torch.arange(20)).sum().backward()
+    dynemb.checkpoint.save(table, tmp_path / "ckpt")
+    restored = make()
+    store = restored.store
+    dynemb.checkpoint.load(restored, tmp_path / "ckpt")
+    assert restored.store is store
+    torch.testing.assert_close(restored.find(torch.arange(20))[0], table.find(torch.arange(20))[0], rtol=0, atol=0)
+    for t in (table, restored):
+        t(torch.arange(5, 25)).sum().backward()
+    torch.testing.assert_close(restored.find(torch.arange(25))[0], table.find(torch.arange(25))[0], rtol=0, atol=0)

@@ -191,4 +191,8 @@ def install(members: list[Entry], fresh, parts, data: dict, optimizer_state: boo
     old_engine = members[0].engine
     if old_engine.collective:
         fresh = old_engine.rebuilt(fresh)
+    elif old_engine.given_store:
+        # Every engine of the load is built and checked by now: a table's own row store (which
+        # may be another tier) takes the loaded rows back.
+        fresh.adopt_store(old_engine.store)
     module.install_engine(module.engines.index(old_engine), fresh)

@@ -22,6 +22,7 @@ takes the clock as an argument (``now``) and holds no lock: its owner serialises
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Protocol, runtime_checkable
 
@@ -31,6 +32,40 @@ from dynemb.config import TableConfig
 from dynemb.nn.changes import ChangeLog
 from dynemb.optim.base import RowOptimizer
 from dynemb.types import NonFiniteGrads
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """Outcome of ``resolve`` over U unique (segment, key) pairs.
+
+    Attributes:
+        keys (Tensor[int64]): [U] the keys, as given.
+        rows (Tensor[int64]): [U] row id of each key, -1 where it is not in the table.
+        found (Tensor[bool]): [U] the key was in the table before the call.
+        inserted (Tensor[bool]): [U] the key was inserted by the call.
+        evicted_keys (Tensor[int64]): [E] keys evicted to make room.
+        evicted (dict[str, Tensor] | None): their ``embeddings`` [E, D], ``optimizer_state``
+            [E, S] and ``scores`` [E] as they were when evicted (only when asked for).
+        failed_keys (Tensor[int64]): [F] keys that should have been inserted and were not.
+        segments, evicted_segments, failed_segments (Tensor[int64] | None): [U], [E], [F] the
+            table of each key; None for a call without segments (table 0).
+    """
+
+    keys: torch.Tensor
+    rows: torch.Tensor
+    found: torch.Tensor
+    inserted: torch.Tensor
+    evicted_keys: torch.Tensor
+    evicted: dict[str, torch.Tensor] | None
+    failed_keys: torch.Tensor
+    segments: torch.Tensor | None = None
+    evicted_segments: torch.Tensor | None = None
+    failed_segments: torch.Tensor | None = None
+
+    @property
+    def ok(self) -> torch.Tensor:
+        """Tensor[bool]: [U] the key is in the table after the call."""
+        return self.rows >= 0
 
 
 @runtime_checkable
@@ -79,7 +114,7 @@ class EngineContract(Protocol):
     ):
         """Row ids of unique (segment, key) pairs ``keys`` [U] (sorted by segment, then key);
         in training, missing keys are inserted (``insertable`` [U] bool: admission) and
-        initialised. Returns a :class:`dynemb.nn.engine.Resolved`."""
+        initialised. Returns a :class:`Resolved`."""
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows [U, W] of row ids [U] of the last resolve / find (-1: undefined values); a

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from dynemb.config import TableConfig
+from dynemb.nn.base import Resolved
 from dynemb.nn.changes import ChangeLog
 from dynemb.nn.functional import device_memory, leaving_contents, screen_update, with_initial_state
 from dynemb.optim.base import RowOptimizer
@@ -38,40 +39,6 @@ def group_key(config: TableConfig) -> tuple:
     """Tables with equal keys share an engine (and so one index call and one update per batch)."""
     c = config
     return (c.embedding_dim, c.dtype, str(c.device), c.bucket_capacity, c.score_strategy, c.nonfinite_grads)
-
-
-@dataclasses.dataclass(frozen=True)
-class Resolved:
-    """Outcome of :meth:`Engine.resolve` over U unique (segment, key) pairs.
-
-    Attributes:
-        keys (Tensor[int64]): [U] the keys, as given.
-        rows (Tensor[int64]): [U] row id of each key, -1 where it is not in the table.
-        found (Tensor[bool]): [U] the key was in the table before the call.
-        inserted (Tensor[bool]): [U] the key was inserted by the call.
-        evicted_keys (Tensor[int64]): [E] keys evicted to make room.
-        evicted (dict[str, Tensor] | None): their ``embeddings`` [E, D], ``optimizer_state``
-            [E, S] and ``scores`` [E] as they were when evicted (only when asked for).
-        failed_keys (Tensor[int64]): [F] keys that should have been inserted and were not.
-        segments, evicted_segments, failed_segments (Tensor[int64] | None): [U], [E], [F] the
-            table of each key; None for a call without segments (table 0).
-    """
-
-    keys: torch.Tensor
-    rows: torch.Tensor
-    found: torch.Tensor
-    inserted: torch.Tensor
-    evicted_keys: torch.Tensor
-    evicted: dict[str, torch.Tensor] | None
-    failed_keys: torch.Tensor
-    segments: torch.Tensor | None = None
-    evicted_segments: torch.Tensor | None = None
-    failed_segments: torch.Tensor | None = None
-
-    @property
-    def ok(self) -> torch.Tensor:
-        """Tensor[bool]: [U] the key is in the table after the call."""
-        return self.rows >= 0
 
 
 def _select(t: torch.Tensor | None, sel: torch.Tensor) -> torch.Tensor | None:
@@ -176,6 +143,17 @@ class Engine:
         writes rows); otherwise the new engine gets a default store."""
         store = self.store if share_store and self.given_store else None
         return Engine(self.configs if self.segmented else self.configs[0], self.optimizer, store)
+
+    def adopt_store(self, store: RowStore, chunk_rows: int = 1 << 16) -> None:
+        """Copy the rows this engine's index hands out into ``store`` (of the same width and
+        capacity) and keep them there: a checkpoint load gives a table its own store back."""
+        n = self.index.free_list.high_water
+        with writable():
+            store.reserve(max(n, 1))
+            for lo in range(0, n, chunk_rows):
+                ids = torch.arange(lo, min(n, lo + chunk_rows), device=self.device)
+                store.scatter(ids, self.store.gather(ids))
+        self.store, self.given_store = store, True
 
     @property
     def num_tables(self) -> int:
