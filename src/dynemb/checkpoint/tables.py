@@ -38,6 +38,11 @@ class Entry:
         return self.module.table_names[0] if self.table is None else self.table
 
     @property
+    def table_index(self) -> int:
+        """The table's index in its module's ``table_configs`` / ``admissions``."""
+        return self.module.location(self.module_table)[2]
+
+    @property
     def location(self) -> tuple:
         """(engine, segment or None, table index in a collection or None)."""
         engine, s, t = self.module.location(self.module_table)
@@ -49,7 +54,7 @@ class Entry:
 
     @property
     def config(self) -> TableConfig:
-        return self.module.table_configs[self.module.location(self.module_table)[2]]
+        return self.module.table_configs[self.table_index]
 
     @property
     def optimizer(self):
@@ -65,7 +70,7 @@ class Entry:
 
     @property
     def admission(self):
-        return self.module.admissions[self.module.location(self.module_table)[2]]
+        return self.module.admissions[self.table_index]
 
     @property
     def generator(self) -> torch.Generator:

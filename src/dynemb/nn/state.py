@@ -84,12 +84,11 @@ def _table_rows(module, t: int) -> dict[str, torch.Tensor]:
 def _per_table(module, t: int, *, rows: bool = True) -> dict[str, torch.Tensor]:
     """The entries every table has, without prefix (rows unless ``rows=False``, step count,
     counters, generator, admission)."""
-    engine, s, _ = module.location(module.table_names[t])
-    c = engine.counters(s)
+    c = module.table_counters(module.table_names[t])
     out = {
         **(_table_rows(module, t) if rows else {}),
         "optimizer_step": torch.tensor(c["optimizer_step"], dtype=torch.int64),
-        "counters": torch.tensor([module.table_counters(module.table_names[t])["erased"], c["nonfinite_grads"]], dtype=torch.int64),
+        "counters": torch.tensor([c["erased"], c["nonfinite_grads"]], dtype=torch.int64),
         "generator_state": c["generator"].get_state(),
     }
     if module.admissions[t] is not None:

@@ -422,8 +422,7 @@ class DynamicTables(torch.nn.Module):
             entry["nonfinite_grads"] = engine.nonfinite_grads[s]
             entry["step"] = self.step
             entry["optimizer_step"] = engine.optimizer_steps[s]
-            acc = None if self._pending is None else self._pending[self.table_group[t][0]]
-            entry["pending_grad_keys"] = self._pending_keys(t).numel() if acc is not None else 0
+            entry["pending_grad_keys"] = self._pending_keys(t).numel()
             entry["scratch_bytes"] = self._workspace.nbytes() + sum(a.nbytes() for a in self._pending or [])
         return entry
 
