@@ -198,6 +198,8 @@ def test_alias_and_public_helpers():
     assert found.all() and bool(((pos // 4 == b1) | (pos // 4 == b2)).all())
     assert b1.tolist()[0] < 5 <= min(b1.tolist()[1:] + b2.tolist()[1:])
     index.set_counters([7, 6, 5, 4], segment=1)
+    # The whole index's first three counters stay the sums over its segments.
+    assert index.counters()[:3] == [a + b for a, b in zip(index.counters(0)[:3], [7, 6, 5])]
     index.set_counters([1, 2, 3, 4])
     assert index.counters(1) == [7, 6, 5, 4] and index.counters() == [1, 2, 3, 4] and index.segment_stats()[1]["erased"] == 4
     with pytest.raises(ValueError, match="values"):

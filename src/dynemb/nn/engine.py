@@ -446,13 +446,8 @@ class Engine:
             self.optimizer_steps[segment] = optimizer_step
         if nonfinite_grads is not None:
             self.nonfinite_grads[segment] = nonfinite_grads
-        if index is not None and not self.segmented:
-            self.index.set_counters(index)
-        elif index is not None:
-            self.index.set_counters(index, segment=segment)
-            # The index's own totals are the sums over its tables (growths stay its own).
-            per = [self.index.counters(s) for s in range(self.num_tables)]
-            self.index.set_counters([sum(p[i] for p in per) for i in range(3)] + [self.index.counters()[3]])
+        if index is not None:
+            self.index.set_counters(index, segment=segment if self.segmented else None)
         if generator_state is not None:
             self.initializers[segment].generator.set_state(generator_state)
         self.version += 1

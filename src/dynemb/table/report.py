@@ -50,6 +50,11 @@ class IndexReport:
             self._stats.update(zip(COUNTERS[:3], values[:3]))
             self._erased = values[3]
         else:
+            # The whole index's inserts, evictions and failed inserts stay the sums over its
+            # segments (as counting keeps them); its growths are its own.
+            old = self._segment_stats[:, s].tolist()
+            for name, before, after in zip(COUNTERS[:3], old, values):
+                self._stats[name] += after - before
             self._segment_stats[:, s] = torch.tensor(values, dtype=torch.int64, device=self.device)
 
     def _count(self, name: str, positions: torch.Tensor | None = None, seg: torch.Tensor | None = None, n: int | None = None) -> None:
