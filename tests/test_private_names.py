@@ -25,6 +25,9 @@ ALLOWED: dict[str, str] = {
     "_C": "torch._C: the C++ bindings; workspace.py reads a storage's use count there (torch has no public one)",
     "_storage_Use_Count": "torch._C._storage_Use_Count: C++ owners of a storage, how workspace.py knows a recycled buffer is unshared",
     "_cdata": "a torch storage's C++ handle, the argument _storage_Use_Count takes",
+    "_optimizer_classes": "the optimizer class torch's apply_optimizer_in_backward records on each parameter; the only record of it "
+    "(TorchRec's sharders read it the same way); dynemb's TableHandles read it to choose the tables' optimizer",
+    "_optimizer_kwargs": "the optimizer kwargs torch's apply_optimizer_in_backward records beside _optimizer_classes (same reason)",
     "_get_default_store": "torch.distributed.distributed_c10d._get_default_store: the rendezvous store of the default group; "
     "Comm leaves out-of-band notes there (peer failure, call sequence) that a collective stuck on a dead peer cannot carry",
 }

@@ -9,6 +9,16 @@ row-wise. See docs/design/0012-torchrec.md and 0016-torchrec-dmp.md.
 
 from dynemb.torchrec.convert import convert
 from dynemb.torchrec.modules import EmbeddingBagCollection, EmbeddingCollection
-from dynemb.torchrec.sharding import plan, sharders
+from dynemb.torchrec.optimizers import from_fused_params
+from dynemb.torchrec.sharding import DynamicEmbeddingBagCollectionSharder, DynamicEmbeddingCollectionSharder, plan, sharders
 
-__all__ = ["EmbeddingBagCollection", "EmbeddingCollection", "convert", "plan", "sharders"]
+__all__ = [
+    "DynamicEmbeddingBagCollectionSharder",
+    "DynamicEmbeddingCollectionSharder",
+    "EmbeddingBagCollection",
+    "EmbeddingCollection",
+    "convert",
+    "from_fused_params",
+    "plan",
+    "sharders",
+]

@@ -13,11 +13,15 @@ import torch
 from torchrec.distributed.embedding_kernel import BaseEmbedding
 from torchrec.distributed.embedding_lookup import GroupedEmbeddingsLookup, GroupedPooledEmbeddingsLookup
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel, GroupedEmbeddingConfig
+from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizerModule
+from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb.config import TableConfig
 from dynemb.nn import DynamicEmbeddingBagCollection, DynamicEmbeddingCollection
+from dynemb.optim import RowOptimizer
 from dynemb.torchrec.modules import EmbeddingBagCollection, EmbeddingCollection
+from dynemb.torchrec.optimizers import DynembFusedOptimizer
 from dynemb.types import PoolingMode
 
 KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
@@ -34,11 +38,10 @@ class TablesSpec:
     hashes by identity.
     """
 
-    def __init__(self, module: EmbeddingBagCollection | EmbeddingCollection, world_size: int, device: torch.device | None):
-        collection = module.collection
-        self.tables: dict[str, TableConfig] = dict(zip(collection.table_names, collection.table_configs))
-        self.optimizer = collection.optimizer
-        self.update = collection.update
+    def __init__(self, module: EmbeddingBagCollection | EmbeddingCollection, world_size: int, device: torch.device | None, optimizer: RowOptimizer | None):
+        self.tables: dict[str, TableConfig] = {c.name: c for c in module.dynemb_configs}
+        self.optimizer = optimizer
+        self.update = module.update_mode
         self.world_size = world_size
         self.device = device
 
@@ -82,7 +85,7 @@ def _renamed(features: KeyedJaggedTensor, names: list[str], weighted: bool) -> K
     )
 
 
-class DynembKernel(BaseEmbedding):
+class DynembKernel(BaseEmbedding, FusedOptimizerModule):
     """TorchRec's ``customized_kernel`` for one group of tables on one rank: a local (unsharded)
     dynemb collection holding the keys this rank owns.
 
@@ -109,6 +112,15 @@ class DynembKernel(BaseEmbedding):
             self.collection = DynamicEmbeddingCollection(tables, spec.optimizer, update=spec.update)
         if list(self.collection.feature_names) != self._names:
             raise RuntimeError(f"dynemb kernel orders features {list(self.collection.feature_names)}, TorchRec {self._names}")
+        # TorchRec's face of the tables' optimizer: one zero-size stand-in per table weight.
+        device = tables[0].device if tables else torch.device("cpu")
+        handles = {f"{t.name}.weight": torch.empty(0, t.embedding_dim, device=device) for t in tables}
+        self._optim = EmptyFusedOptimizer() if spec.optimizer is None else DynembFusedOptimizer(spec.optimizer, handles)
+
+    @property
+    def fused_optimizer(self) -> KeyedOptimizer:
+        """The tables' optimizer as TorchRec's ``KeyedOptimizer`` (DMP's ``fused_optimizer`` holds it)."""
+        return self._optim
 
     @property
     def config(self) -> GroupedEmbeddingConfig:

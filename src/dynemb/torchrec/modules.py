@@ -15,6 +15,8 @@ from torchrec.sparse.tensor_dict import maybe_td_to_kjt
 
 from dynemb.nn import DynamicEmbeddingBagCollection, DynamicEmbeddingCollection
 from dynemb.torchrec.configs import check_options, table_config
+from dynemb.torchrec.lifecycle import TorchRecTables, is_meta
+from dynemb.torchrec.optimizers import UNSET
 
 _META = torch.device("meta")
 
@@ -31,15 +33,6 @@ def _strip_dummy_weights(tables: torch.nn.ModuleDict) -> None:
         weight = module.weight.detach()
         del module.weight
         module.weight = weight
-
-
-def _real_device(device: torch.device | str | None) -> torch.device | None:
-    if device is None:
-        return None
-    device = torch.device(device)
-    if device.type == "meta":
-        raise ValueError("device='meta': dynemb tables need a real device ('cpu' or 'cuda'); TorchRec's dummy weights are meta already")
-    return device
 
 
 def _without_weights(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
@@ -91,7 +84,7 @@ class _Features:
         )
 
 
-class EmbeddingBagCollection(torchrec.EmbeddingBagCollection):
+class EmbeddingBagCollection(TorchRecTables, torchrec.EmbeddingBagCollection):
     """TorchRec's ``EmbeddingBagCollection`` whose tables are dynemb tables keyed by raw int64 ids.
 
     Args:
@@ -100,9 +93,14 @@ class EmbeddingBagCollection(torchrec.EmbeddingBagCollection):
             ``capacity`` (most keys held), not a bound on the ids: every int64 is a valid id.
         options: table name -> extra ``dynemb.TableConfig`` fields (``capacity``,
             ``score_strategy``, ``initializer``, ``admission``, ``device``...).
-        optimizer: fused dynemb optimizer (``dynemb.optim.*``) for every table; ``None``: frozen.
+        optimizer: fused dynemb optimizer (``dynemb.optim.*``) for every table; ``None``: frozen
+            on purpose. Not passed: ``apply_optimizer_in_backward`` on ``module.parameters()``,
+            or a sharder's ``fused_params``, chooses it; with neither, TorchRec's fused default
+            (SGD, lr 0.01) with a warning (docs/design/0027-torchrec-optimizers.md).
         update: ``"fused"`` (rows updated in backward) or ``"deferred"`` (on ``optimizer.step()``).
-        device: where the tables live (default CPU) unless ``options`` says otherwise.
+        device: where the tables live (default CPU) unless ``options`` says otherwise;
+            ``"meta"`` (or a ``with torch.device("meta")`` block) builds no table: DMP creates
+            them on each rank, ``module.to_empty(device=...)`` for unsharded use.
         is_weighted: as TorchRec's: pool with the KJT's weights.
 
     ``forward(features: KeyedJaggedTensor) -> KeyedTensor`` exactly as TorchRec's: keys are the
@@ -116,23 +114,28 @@ class EmbeddingBagCollection(torchrec.EmbeddingBagCollection):
         tables: list[torchrec.EmbeddingBagConfig],
         *,
         options: Mapping[str, Mapping] | None = None,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | None = UNSET,
         update: str = "fused",
         device: torch.device | str | None = None,
         is_weighted: bool = False,
     ):
-        device = _real_device(device)
+        deferred = is_meta(device)
+        device = None if deferred else device
         # Meta dummies: TorchRec's bookkeeping (configs, names, dims) without dense weights.
         super().__init__(tables=tables, is_weighted=is_weighted, device=_META)
         _strip_dummy_weights(self.embedding_bags)
         names = get_embedding_names_by_table(tables)
         opts = check_options(options, [t.name for t in tables])
         configs = [table_config(t, n, opts.get(t.name, {}), device) for t, n in zip(tables, names)]
-        self.collection = DynamicEmbeddingBagCollection(configs, optimizer, update=update, is_weighted=is_weighted)
-        if list(self.collection.feature_names) != self._embedding_names:
-            raise RuntimeError(f"dynemb collection orders features {list(self.collection.feature_names)}, TorchRec {self._embedding_names}")
-        self._device = configs[0].device if configs else (device or torch.device("cpu"))
+        self.setup_tables(configs, optimizer, update, deferred)
+        self._device = _META if deferred else configs[0].device if configs else torch.device(device or "cpu")
         self._features = _Features(self._feature_names, names)
+
+    def new_collection(self, configs, optimizer) -> DynamicEmbeddingBagCollection:
+        collection = DynamicEmbeddingBagCollection(configs, optimizer, update=self.update_mode, is_weighted=self._is_weighted)
+        if list(collection.feature_names) != self._embedding_names:
+            raise RuntimeError(f"dynemb collection orders features {list(collection.feature_names)}, TorchRec {self._embedding_names}")
+        return collection
 
     def reset_parameters(self) -> None:
         """No-op: dynemb initialises each key's row when the key first arrives."""
@@ -143,6 +146,8 @@ class EmbeddingBagCollection(torchrec.EmbeddingBagCollection):
         _reject_variable_batch(features, type(self).__name__)
         if not self._is_weighted:
             features = _without_weights(features)
+        if self.training and torch.is_grad_enabled():
+            self.settle_optimizer()
         pooled = self.collection(self._features(features, self._is_weighted))
         return KeyedTensor(
             keys=self._embedding_names,
@@ -155,13 +160,16 @@ class EmbeddingBagCollection(torchrec.EmbeddingBagCollection):
         return self.collection.stats()
 
     def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        # TorchRec's device() says where the tables are: it follows a move of the collection.
-        self._device = self.collection.table_configs[0].device
+        # A meta module builds its tables where fn moves tensors (to_empty, .to(device)).
+        if self.move_tables(fn):
+            super()._apply(fn, recurse)
+            # TorchRec's device() says where the tables are: it follows a move of the collection.
+            configs = self.collection.table_configs
+            self._device = configs[0].device if configs else self._device
         return self
 
 
-class EmbeddingCollection(torchrec.EmbeddingCollection):
+class EmbeddingCollection(TorchRecTables, torchrec.EmbeddingCollection):
     """TorchRec's ``EmbeddingCollection`` whose tables are dynemb tables keyed by raw int64 ids.
 
     Args:
@@ -178,23 +186,28 @@ class EmbeddingCollection(torchrec.EmbeddingCollection):
         tables: list[torchrec.EmbeddingConfig],
         *,
         options: Mapping[str, Mapping] | None = None,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | None = UNSET,
         update: str = "fused",
         device: torch.device | str | None = None,
         need_indices: bool = False,
     ):
-        device = _real_device(device)
+        deferred = is_meta(device)
+        device = None if deferred else device
         super().__init__(tables=tables, device=_META, need_indices=need_indices)
         _strip_dummy_weights(self.embeddings)
         opts = check_options(options, [t.name for t in tables])
         names = self._embedding_names_by_table
         configs = [table_config(t, n, opts.get(t.name, {}), device) for t, n in zip(tables, names)]
-        self.collection = DynamicEmbeddingCollection(configs, optimizer, update=update)
-        flat = [n for ns in names for n in ns]
-        if list(self.collection.feature_names) != flat:
-            raise RuntimeError(f"dynemb collection orders features {list(self.collection.feature_names)}, TorchRec {flat}")
-        self._device = configs[0].device if configs else (device or torch.device("cpu"))
+        self.setup_tables(configs, optimizer, update, deferred)
+        self._device = _META if deferred else configs[0].device if configs else torch.device(device or "cpu")
         self._features = _Features(self._feature_names, names)
+
+    def new_collection(self, configs, optimizer) -> DynamicEmbeddingCollection:
+        collection = DynamicEmbeddingCollection(configs, optimizer, update=self.update_mode)
+        flat = [n for ns in self._embedding_names_by_table for n in ns]
+        if list(collection.feature_names) != flat:
+            raise RuntimeError(f"dynemb collection orders features {list(collection.feature_names)}, TorchRec {flat}")
+        return collection
 
     def reset_parameters(self) -> None:
         """No-op: dynemb initialises each key's row when the key first arrives."""
@@ -203,6 +216,8 @@ class EmbeddingCollection(torchrec.EmbeddingCollection):
         """features: KJT of F features x B samples (raw int64 ids) -> name -> JaggedTensor [n_f, D]."""
         features = maybe_td_to_kjt(features, None)
         _reject_variable_batch(features, type(self).__name__)
+        if self.training and torch.is_grad_enabled():
+            self.settle_optimizer()
         out = self.collection(self._features(_without_weights(features), weighted=False))
         result: dict[str, JaggedTensor] = {}
         for embedding_name, feature_name in self._features.pairs:
@@ -219,7 +234,10 @@ class EmbeddingCollection(torchrec.EmbeddingCollection):
         return self.collection.stats()
 
     def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        # TorchRec's device() says where the tables are: it follows a move of the collection.
-        self._device = self.collection.table_configs[0].device
+        # A meta module builds its tables where fn moves tensors (to_empty, .to(device)).
+        if self.move_tables(fn):
+            super()._apply(fn, recurse)
+            # TorchRec's device() says where the tables are: it follows a move of the collection.
+            configs = self.collection.table_configs
+            self._device = configs[0].device if configs else self._device
         return self

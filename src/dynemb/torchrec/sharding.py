@@ -27,6 +27,7 @@ from torchrec.distributed.types import ModuleSharder, ParameterSharding, Shardin
 
 from dynemb.torchrec.kernel import KERNEL, SPEC_KEY, DynembKernel, TablesSpec
 from dynemb.torchrec.modules import EmbeddingBagCollection, EmbeddingCollection
+from dynemb.torchrec.optimizers import from_fused_params
 from dynemb.torchrec.sharded import ShardedDynamicEmbeddingBagCollection, ShardedDynamicEmbeddingCollection
 
 __all__ = [
@@ -57,7 +58,7 @@ def _check_params(module: torch.nn.Module, tables: list[str], params: dict[str, 
 
 
 def _check_empty(module: EmbeddingBagCollection | EmbeddingCollection) -> None:
-    held = {name: s["size"] for name, s in module.stats().items() if s["size"]}
+    held = module.held_keys()
     if held:
         raise ValueError(
             f"{type(module).__name__}: tables {held} hold keys; the sharded tables start empty (each rank's keys would be lost), so shard an untrained module"
@@ -65,7 +66,10 @@ def _check_empty(module: EmbeddingBagCollection | EmbeddingCollection) -> None:
 
 
 def _spec_params(sharder, module, env: ShardingEnv, device) -> dict[str, Any]:
-    return {**(sharder.fused_params or {}), SPEC_KEY: TablesSpec(module, env.world_size, device)}
+    """The fused params TorchRec hands the kernels: only the dynemb settings. The sharder's own
+    ``fused_params`` choose the optimizer here (with the module's other choices) and go no further."""
+    optimizer = module.sharding_optimizer(sharder.fused_params)
+    return {SPEC_KEY: TablesSpec(module, env.world_size, device, optimizer)}
 
 
 class _RowWiseOnDynemb:
@@ -160,14 +164,26 @@ class DynamicEmbeddingCollectionSharder(_RowWiseOnDynemb, EmbeddingCollectionSha
         return ShardedDynamicEmbeddingCollection
 
 
-def sharders() -> list[ModuleSharder[torch.nn.Module]]:
+def sharders(fused_params: dict[str, Any] | None = None, qcomm_codecs_registry: dict | None = None) -> list[ModuleSharder[torch.nn.Module]]:
     """The sharders of :class:`dynemb.torchrec.EmbeddingBagCollection` and
     :class:`dynemb.torchrec.EmbeddingCollection`, for ``DistributedModelParallel(sharders=...)``.
+
+    Args:
+        fused_params: FBGEMM fused params choosing the tables' optimizer (``optimizer`` as an
+            ``EmbOptimType``, ``learning_rate``, ``eps``, ``beta1``, ``beta2``, ``weight_decay``,
+            ``weight_decay_mode``), as TorchRec's sharders take them; see
+            :func:`dynemb.torchrec.optimizers.from_fused_params`.
+        qcomm_codecs_registry: TorchRec's quantized-comms codecs for the output all-to-alls.
 
     DMP picks a sharder by the module's exact type, so these leave TorchRec's own modules alone;
     a model that also holds TorchRec tables passes ``sharders() + get_default_sharders()``.
     """
-    return [DynamicEmbeddingBagCollectionSharder(), DynamicEmbeddingCollectionSharder()]
+    if fused_params is not None:
+        from_fused_params(fused_params, "sharders(fused_params=...)")  # fail here, not at DMP
+    return [
+        DynamicEmbeddingBagCollectionSharder(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry),
+        DynamicEmbeddingCollectionSharder(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry),
+    ]
 
 
 def plan(model: torch.nn.Module, world_size: int, *, local_size: int | None = None, device_type: str = "cpu") -> ShardingPlan:
