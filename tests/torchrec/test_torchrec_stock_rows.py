@@ -194,6 +194,11 @@ def test_stock_state_dict_errors_and_strict_false():
         ebc.load_state_dict(bad)
     assert torch.equal(rows(ebc, "t_user"), before["t_user"])
 
+    nan = {**state, "embedding_bags.t_item.weight": torch.full((N["item"], 8), float("nan"))}
+    with pytest.raises(RuntimeError, match=r"embedding_bags.t_item.weight must hold finite floats"):
+        ebc.load_state_dict(nan)
+    assert torch.equal(rows(ebc, "t_user"), before["t_user"])
+
     # An entry naming no table is unexpected (strict), ignored with strict=False.
     extra = {**state, "embedding_bags.t_nope.weight": torch.zeros(3, 8)}
     with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "embedding_bags.t_nope.weight"'):

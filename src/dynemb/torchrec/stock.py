@@ -105,7 +105,9 @@ def load_stock_entries(module, state_dict, prefix, local_metadata, strict, missi
 
     Both formats under one prefix raise (nothing changed); a table without an entry is a
     missing key (``strict=False``: it keeps its rows); entries that name no table stay for
-    torch to report as unexpected; a wrong shape is an error naming the entry.
+    torch to report as unexpected; a wrong shape, a non-float or non-finite weight, or a
+    table whose capacity is below N is an error naming it. All are checked before any table
+    changes.
     """
     attr, configs = _layout(module)
     stock_prefix = f"{prefix}{attr}."
@@ -127,6 +129,9 @@ def load_stock_entries(module, state_dict, prefix, local_metadata, strict, missi
         if not isinstance(value, torch.Tensor) or value.is_meta or tuple(value.shape) != shape:
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             errors.append(f"{where}: size mismatch for {stock_prefix}{name}.weight: got {got}, the table's TorchRec config has {shape}")
+            continue
+        if not value.is_floating_point() or not bool(torch.isfinite(value).all()):
+            errors.append(f"{where}: {stock_prefix}{name}.weight must hold finite floats (dtype {value.dtype})")
             continue
         try:
             _check_capacity(module.collection, name, shape[0])
