@@ -17,6 +17,7 @@ from dynemb.nn import DynamicEmbeddingBagCollection, DynamicEmbeddingCollection
 from dynemb.torchrec.configs import check_options, table_config
 from dynemb.torchrec.lifecycle import TorchRecTables, is_meta
 from dynemb.torchrec.optimizers import UNSET
+from dynemb.torchrec.stock import load_stock_entries
 
 _META = torch.device("meta")
 
@@ -124,6 +125,8 @@ class EmbeddingBagCollection(TorchRecTables, torchrec.EmbeddingBagCollection):
         # Meta dummies: TorchRec's bookkeeping (configs, names, dims) without dense weights.
         super().__init__(tables=tables, is_weighted=is_weighted, device=_META)
         _strip_dummy_weights(self.embedding_bags)
+        # A stock module's state_dict (its dense weights) loads too: docs/design/0028.
+        self.register_load_state_dict_pre_hook(load_stock_entries)
         names = get_embedding_names_by_table(tables)
         opts = check_options(options, [t.name for t in tables])
         configs = [table_config(t, n, opts.get(t.name, {}), device) for t, n in zip(tables, names)]
@@ -195,6 +198,8 @@ class EmbeddingCollection(TorchRecTables, torchrec.EmbeddingCollection):
         device = None if deferred else device
         super().__init__(tables=tables, device=_META, need_indices=need_indices)
         _strip_dummy_weights(self.embeddings)
+        # A stock module's state_dict (its dense weights) loads too: docs/design/0028.
+        self.register_load_state_dict_pre_hook(load_stock_entries)
         opts = check_options(options, [t.name for t in tables])
         names = self._embedding_names_by_table
         configs = [table_config(t, n, opts.get(t.name, {}), device) for t, n in zip(tables, names)]
