@@ -121,6 +121,19 @@ def test_the_planner_plans_every_dynemb_table_row_wise_on_the_dynemb_kernel():
             assert [s.placement.device().type for s in p.sharding_spec.shards] == [device, device]
 
 
+def test_the_planner_plans_torchrecs_own_tables_beside_dynembs():
+    model = torch.nn.Module()
+    model.dyn = _Model().ebc
+    model.stock = torchrec.EmbeddingBagCollection(
+        [EmbeddingBagConfig(name="t_stock", embedding_dim=D, num_embeddings=64, feature_names=["stock"])], device=torch.device("meta")
+    )
+    sharders = [*dynemb.torchrec.sharders(), EmbeddingBagCollectionSharder()]
+    result = EmbeddingShardingPlanner(topology=Topology(world_size=2, compute_device="cpu")).plan(model, sharders)
+    assert {t: p.sharding_type for t, p in result.plan["dyn"].items()} == {"t_user": ROW_WISE, "t_item": ROW_WISE}
+    # TorchRec's sharder on CPU offers no row-wise: its table is placed its own way.
+    assert result.plan["stock"]["t_stock"].sharding_type != ROW_WISE
+
+
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 def test_the_planner_sizes_a_table_as_index_rows_and_optimizer_state_at_capacity(optimizer):
     # 1000 rows round up to 1008 slots (63 buckets of 16): the figure is the index's, not num_embeddings.
