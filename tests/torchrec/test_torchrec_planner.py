@@ -20,7 +20,7 @@ import torchrec
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec import EmbeddingBagConfig, EmbeddingConfig, KeyedJaggedTensor, PoolingType
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.fbgemm_qcomm_codec import QCommsConfig, get_qcomm_codecs_registry
+from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
@@ -225,7 +225,7 @@ def test_parameter_constraints_are_honoured():
 
 
 def test_sharders_take_torchrecs_constructor_arguments():
-    registry = get_qcomm_codecs_registry(QCommsConfig(forward_precision=torchrec.distributed.fbgemm_qcomm_codec.CommType.FP16))
+    registry = get_qcomm_codecs_registry(QCommsConfig(forward_precision=CommType.FP16))
     fused = {"learning_rate": 0.05}
     for cls in (dynemb.torchrec.DynamicEmbeddingBagCollectionSharder, dynemb.torchrec.DynamicEmbeddingCollectionSharder):
         sharder = cls(fused_params=fused, qcomm_codecs_registry=registry)
