@@ -285,7 +285,7 @@ def test_sharder_refuses_foreign_plans_and_trained_modules():
     ec = _SequenceModel().ec
     sharder = next(s for s in dynemb.torchrec.sharders() if s.module_type is dynemb.torchrec.EmbeddingCollection)
     params = dynemb.torchrec.plan(ec, 2).plan[""]
-    foreign = {**params, "t_c": dataclasses.replace(params["t_c"], compute_kernel="fused")}
+    foreign = {**params, "t_c": dataclasses.replace(params["t_c"], compute_kernel="fused_uvm")}
     with pytest.raises(ValueError, match="'t_c'.*customized_kernel"):
         sharder.shard(ec, foreign, env=None)
     # Rows already trained would not reach the (empty) local tables: refused.

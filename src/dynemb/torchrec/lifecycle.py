@@ -114,9 +114,9 @@ class TorchRecTables:
 
     # -- the optimizer --------------------------------------------------------------------------
 
-    def sharding_optimizer(self, fused_params: Mapping[str, Any] | None) -> RowOptimizer | None:
+    def sharding_optimizer(self, fused_params: Mapping[str, Any] | None, warn_default: bool = True) -> RowOptimizer | None:
         """The optimizer of this module's tables when a sharder with ``fused_params`` shards it."""
-        return resolve(type(self).__name__, self.given_optimizer, self.optimizer_handles, fused_params)
+        return resolve(type(self).__name__, self.given_optimizer, self.optimizer_handles, fused_params, warn_default)
 
     def settle_optimizer(self) -> None:
         """At a training forward: settle the optimizer once (rebuilding frozen provisional tables

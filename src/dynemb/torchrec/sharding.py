@@ -4,6 +4,7 @@ W ranks, B samples per rank, F features of a kernel, D_f a feature's dim, N ids 
 
     model = DLRM(embedding_bag_collection=dynemb.torchrec.EmbeddingBagCollection(tables, optimizer=...), ...)
     model = DistributedModelParallel(model, plan=dynemb.torchrec.plan(model, W), sharders=dynemb.torchrec.sharders())
+    model = DistributedModelParallel(model, sharders=dynemb.torchrec.sharders())  # TorchRec's planner plans it
 
 TorchRec routes every raw int64 id to rank ``uint64(id) % W`` with the id kept (its own
 ``RwSparseFeaturesDist`` with ``keep_original_indices=True`` and a hash size of W per feature,
@@ -11,7 +12,7 @@ so the block size is 1). Each rank's kernel (TorchRec's ``customized_kernel``) l
 receives up in its own unsharded dynemb collection of ``capacity // W`` rows per table, which
 updates itself in backward as usual. TorchRec's output dists stay: pooled sums are
 reduce-scattered (and divided for MEAN tables), sequence rows are sent back in id order. See
-docs/design/0016-torchrec-dmp.md.
+docs/design/0016-torchrec-dmp.md; TorchRec's planner: 0031-torchrec-planner.md.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ import torchrec
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
-from torchrec.distributed.types import ModuleSharder, ParameterSharding, ShardingEnv, ShardingPlan, ShardingType
+from torchrec.distributed.types import ModuleSharder, ParameterSharding, ShardingEnv, ShardingPlan
 
 from dynemb.torchrec.kernel import KERNEL, SPEC_KEY, DynembKernel, TablesSpec
 from dynemb.torchrec.modules import EmbeddingBagCollection, EmbeddingCollection
 from dynemb.torchrec.optimizers import from_fused_params
+from dynemb.torchrec.planning import PLANNER_KERNEL, ROW_WISE, dynemb_params, stand_ins
 from dynemb.torchrec.sharded import ShardedDynamicEmbeddingBagCollection, ShardedDynamicEmbeddingCollection
 
 __all__ = [
@@ -40,21 +42,7 @@ __all__ = [
     "sharders",
 ]
 
-_ROW_WISE = ShardingType.ROW_WISE.value
 _META = torch.device("meta")
-
-
-def _check_params(module: torch.nn.Module, tables: list[str], params: dict[str, ParameterSharding]) -> None:
-    missing = [t for t in tables if t not in params]
-    if missing:
-        raise ValueError(f"{type(module).__name__}: the plan has no sharding for tables {missing}; build it with dynemb.torchrec.plan(model, world_size)")
-    for t in tables:
-        p = params[t]
-        if p.sharding_type != _ROW_WISE or p.compute_kernel != KERNEL:
-            raise ValueError(
-                f"table {t!r}: sharding_type={p.sharding_type!r}, compute_kernel={p.compute_kernel!r}; dynemb tables shard "
-                f"{_ROW_WISE!r} with {KERNEL!r} only (dynemb.torchrec.plan builds that plan)"
-            )
 
 
 def _check_empty(module: EmbeddingBagCollection | EmbeddingCollection) -> None:
@@ -73,13 +61,19 @@ def _spec_params(sharder, module, env: ShardingEnv, device) -> dict[str, Any]:
 
 
 class _RowWiseOnDynemb:
-    """What both sharders offer TorchRec's planner: row-wise only, on the custom kernel."""
+    """What both sharders offer TorchRec's planner: row-wise only, on the dynemb kernel under
+    the name its estimators know, each table sized at capacity (docs/design/0031-torchrec-planner.md)."""
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
-        return [_ROW_WISE]
+        return [ROW_WISE]
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
-        return [KERNEL]
+        return [PLANNER_KERNEL] if sharding_type == ROW_WISE else []
+
+    def shardable_parameters(self, module: EmbeddingBagCollection | EmbeddingCollection) -> dict[str, torch.Tensor]:
+        """Table name -> a meta float32 tensor [R, D] of the table's bytes at capacity (index,
+        rows, optimizer state), which TorchRec's planner sizes it by (no parameter: there is none)."""
+        return stand_ins(module, self.fused_params)
 
 
 class DynamicEmbeddingBagCollectionSharder(_RowWiseOnDynemb, EmbeddingBagCollectionSharder):
@@ -94,7 +88,7 @@ class DynamicEmbeddingBagCollectionSharder(_RowWiseOnDynemb, EmbeddingBagCollect
         module_fqn: str | None = None,
     ) -> ShardedDynamicEmbeddingBagCollection:
         configs = module.embedding_bag_configs()
-        _check_params(module, [c.name for c in configs], params)
+        params = dynemb_params(module, [c.name for c in configs], params)
         _check_empty(module)
         # TorchRec's constructor reads dense weights by name; a meta twin with the same configs
         # gives them at no memory (the dynemb module has none).
@@ -108,10 +102,6 @@ class DynamicEmbeddingBagCollectionSharder(_RowWiseOnDynemb, EmbeddingBagCollect
             qcomm_codecs_registry=self.qcomm_codecs_registry,
             module_fqn=module_fqn,
         )
-
-    def shardable_parameters(self, module: EmbeddingBagCollection) -> dict[str, torch.Tensor]:
-        """Table name -> its meta dummy weight [num_embeddings, D] (for plan shapes only)."""
-        return {c.name: module.embedding_bags[c.name].weight for c in module.embedding_bag_configs()}
 
     def reshard(self, *args, **kwargs):
         raise NotImplementedError("resharding dynemb tables is not supported")
@@ -137,7 +127,7 @@ class DynamicEmbeddingCollectionSharder(_RowWiseOnDynemb, EmbeddingCollectionSha
         module_fqn: str | None = None,
     ) -> ShardedDynamicEmbeddingCollection:
         configs = module.embedding_configs()
-        _check_params(module, [c.name for c in configs], params)
+        params = dynemb_params(module, [c.name for c in configs], params)
         _check_empty(module)
         twin = torchrec.EmbeddingCollection(tables=configs, device=_META, need_indices=module.need_indices())
         return ShardedDynamicEmbeddingCollection(
@@ -150,10 +140,6 @@ class DynamicEmbeddingCollectionSharder(_RowWiseOnDynemb, EmbeddingCollectionSha
             use_index_dedup=False,
             module_fqn=module_fqn,
         )
-
-    def shardable_parameters(self, module: EmbeddingCollection) -> dict[str, torch.Tensor]:
-        """Table name -> its meta dummy weight [num_embeddings, D] (for plan shapes only)."""
-        return {c.name: module.embeddings[c.name].weight for c in module.embedding_configs()}
 
     @property
     def module_type(self) -> type[EmbeddingCollection]:
@@ -190,13 +176,14 @@ def plan(model: torch.nn.Module, world_size: int, *, local_size: int | None = No
     """The sharding plan of every dynemb TorchRec module in ``model``: each table row-wise over
     ``world_size`` ranks with TorchRec's ``customized_kernel`` (the dynemb kernel).
 
-    Built by hand with ``construct_module_sharding_plan`` per module, keyed by module path
-    (``""`` when ``model`` is itself one). TorchRec's own planner
-    (``EmbeddingShardingPlanner``, DMP's default when ``plan`` is not given) rejects the custom
-    kernel (its performance estimator has no figures for it), so this helper bypasses it: pass
-    the result as ``DistributedModelParallel(model, plan=plan(model, W), sharders=sharders())``.
-    Needs no process group. TorchRec modules that are not dynemb's get no entry (plan them
-    separately and merge the ``plan`` dicts).
+    A shortcut: built by hand with ``construct_module_sharding_plan`` per module, keyed by module
+    path (``""`` when ``model`` is itself one), it needs no process group and no topology. TorchRec's
+    own planner plans the same tables the same way (row-wise on the dynemb kernel, which it knows
+    as ``fused``; docs/design/0031-torchrec-planner.md), so ``DistributedModelParallel(model,
+    sharders=sharders())`` without a plan trains like ``DistributedModelParallel(model,
+    plan=plan(model, W), sharders=sharders())``; the planner also checks that the tables fit its
+    ``Topology`` and honours ``ParameterConstraints``. TorchRec modules that are not dynemb's get
+    no entry (plan them separately and merge the ``plan`` dicts).
 
     Args:
         model: the unsharded model (the same on every rank).
