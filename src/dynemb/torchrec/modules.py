@@ -63,32 +63,98 @@ def _reject_variable_batch(features: KeyedJaggedTensor, owner: str) -> None:
         )
 
 
-class _Features:
-    """Maps the KJT a TorchRec module receives to the one its native collection reads.
+def _embedding_pairs(feature_names: list[list[str]], embedding_names: list[list[str]]) -> tuple[tuple[str, str], ...]:
+    """(embedding name, feature name) of every lookup, tables in order: the names the native
+    collection knows each lookup by (the feature, or ``feature@table`` when several tables share it)."""
+    return tuple((e, f) for es, fs in zip(embedding_names, feature_names) for e, f in zip(es, fs))
 
-    The native collection knows each lookup by TorchRec's embedding name: the feature name, or
-    ``feature@table`` when several tables share a feature. Only in that case is a new KJT built
-    (the shared feature's ids listed once per table); otherwise the input passes through.
-    """
 
-    def __init__(self, feature_names: list[list[str]], embedding_names: list[list[str]]):
-        self.pairs = [(e, f) for es, fs in zip(embedding_names, feature_names) for e, f in zip(es, fs)]
-        self.renamed = any(e != f for e, f in self.pairs)
-        self.known = {f for _, f in self.pairs}
+def _check_keys(keys: list[str], pairs: tuple[tuple[str, str], ...]) -> None:
+    known = {f for _, f in pairs}
+    unknown = [k for k in keys if k not in known]
+    if unknown:
+        raise ValueError(f"unknown feature(s) {unknown}: this collection looks up {sorted(known)}")
+    missing = known.difference(keys)
+    if missing:
+        raise ValueError(f"missing feature(s) {sorted(missing)} in the KeyedJaggedTensor")
 
-    def __call__(self, features: KeyedJaggedTensor, weighted: bool) -> KeyedJaggedTensor:
-        if not self.renamed:
-            return features
-        unknown = [k for k in features.keys() if k not in self.known]
-        if unknown:
-            raise ValueError(f"unknown feature(s) {unknown}: this collection looks up {sorted(self.known)}")
-        jts = features.to_dict()
-        missing = [f for f in self.known if f not in jts]
-        if missing:
-            raise ValueError(f"missing feature(s) {sorted(missing)} in the KeyedJaggedTensor")
-        return KeyedJaggedTensor.from_jt_dict(
-            {e: JaggedTensor(values=jts[f].values(), lengths=jts[f].lengths(), weights=jts[f].weights_or_none() if weighted else None) for e, f in self.pairs}
+
+def _renamed(features: KeyedJaggedTensor, pairs: tuple[tuple[str, str], ...], weighted: bool) -> KeyedJaggedTensor:
+    """The KJT the native collection reads. Only when a feature is shared (an embedding name
+    differs from its feature) is a new KJT built, listing the shared feature's ids once per table;
+    otherwise the input passes through (the native collection checks its keys)."""
+    if all(e == f for e, f in pairs):
+        return features
+    _check_keys(features.keys(), pairs)
+    jts = features.to_dict()
+    return KeyedJaggedTensor.from_jt_dict(
+        {e: JaggedTensor(values=jts[f].values(), lengths=jts[f].lengths(), weights=jts[f].weights_or_none() if weighted else None) for e, f in pairs}
+    )
+
+
+# The lookups are fx leaves (torch.fx.wrap): torchrec.fx.symbolic_trace records one call per
+# forward, with the native collection as a get_attr argument, instead of tracing into the
+# collection's data-dependent code (dedup, hash probes, checks). TorchRec's pipelines and
+# inference tooling then walk the model as they walk TorchRec's own modules.
+@torch.fx.wrap
+def _pooled_lookup(
+    collection: DynamicEmbeddingBagCollection | None,
+    features: KeyedJaggedTensor,
+    pairs: tuple[tuple[str, str], ...],
+    dims: tuple[int, ...],
+    weighted: bool,
+    owner: str,
+) -> torch.Tensor:
+    """features: KJT (or TensorDict) of F features x B samples -> [B, sum D_f] float32, the
+    lookups in ``pairs`` order, ``dims`` their D_f."""
+    features = maybe_td_to_kjt(features, None)
+    _reject_variable_batch(features, owner)
+    if not pairs:
+        # TorchRec's EmbeddingBagCollection(tables=[]) fails here too (torch.cat of no embeddings).
+        raise ValueError(f"{owner} has no tables (tables=[]): there are no embeddings to pool")
+    if features.values().is_meta:
+        # Shapes only, as TorchRec's modules give for meta inputs: no table is read.
+        _check_keys(features.keys(), pairs)
+        return torch.empty(features.stride(), sum(dims), device=features.values().device)  # [B, sum D_f]
+    if not weighted:
+        features = _without_weights(features)
+    return collection(_renamed(features, pairs, weighted)).concat.float()  # [B, sum D_f]
+
+
+@torch.fx.wrap
+def _sequence_lookup(
+    collection: DynamicEmbeddingCollection | None,
+    features: KeyedJaggedTensor,
+    pairs: tuple[tuple[str, str], ...],
+    dim: int,
+    need_indices: bool,
+    owner: str,
+) -> dict[str, JaggedTensor]:
+    """features: KJT (or TensorDict) of F features x B samples -> embedding name -> JaggedTensor
+    (values [n_f, D] float32, the feature's lengths [B], its ids as weights if ``need_indices``)."""
+    features = maybe_td_to_kjt(features, None)
+    _reject_variable_batch(features, owner)
+    if not pairs:
+        if features.keys():
+            raise ValueError(f"unknown feature(s) {features.keys()}: this {owner} has no tables (tables=[])")
+        return {}
+    meta = features.values().is_meta
+    jts = features.to_dict() if meta or need_indices else {}
+    if meta:
+        # Shapes only, as TorchRec's modules give for meta inputs: no table is read.
+        _check_keys(features.keys(), pairs)
+        out = {e: (torch.empty(jts[f].values().numel(), dim, device=features.values().device), jts[f].lengths()) for e, f in pairs}
+    else:
+        out = collection(_renamed(_without_weights(features), pairs, weighted=False))
+    result: dict[str, JaggedTensor] = {}
+    for embedding_name, feature_name in pairs:
+        values, lengths = out[embedding_name]
+        result[embedding_name] = JaggedTensor(
+            values=values.float(),  # [n_f, D]
+            lengths=lengths,
+            weights=jts[feature_name].values() if need_indices else None,
         )
+    return result
 
 
 class EmbeddingBagCollection(torchrec.EmbeddingBagCollection):
@@ -128,36 +194,35 @@ class EmbeddingBagCollection(torchrec.EmbeddingBagCollection):
         names = get_embedding_names_by_table(tables)
         opts = check_options(options, [t.name for t in tables])
         configs = [table_config(t, n, opts.get(t.name, {}), device) for t, n in zip(tables, names)]
-        self.collection = DynamicEmbeddingBagCollection(configs, optimizer, update=update, is_weighted=is_weighted)
-        if list(self.collection.feature_names) != self._embedding_names:
+        # TorchRec accepts tables=[]: no native collection then (forward raises, as TorchRec's).
+        self.collection = DynamicEmbeddingBagCollection(configs, optimizer, update=update, is_weighted=is_weighted) if configs else None
+        if configs and list(self.collection.feature_names) != self._embedding_names:
             raise RuntimeError(f"dynemb collection orders features {list(self.collection.feature_names)}, TorchRec {self._embedding_names}")
         self._device = configs[0].device if configs else (device or torch.device("cpu"))
-        self._features = _Features(self._feature_names, names)
+        self._pairs = _embedding_pairs(self._feature_names, names)
 
     def reset_parameters(self) -> None:
         """No-op: dynemb initialises each key's row when the key first arrives."""
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """features: KJT of F features x B samples (raw int64 ids) -> KeyedTensor [B, sum D_f]."""
-        features = maybe_td_to_kjt(features, None)
-        _reject_variable_batch(features, type(self).__name__)
-        if not self._is_weighted:
-            features = _without_weights(features)
-        pooled = self.collection(self._features(features, self._is_weighted))
+        pooled = _pooled_lookup(self.collection, features, self._pairs, tuple(self._lengths_per_embedding), self._is_weighted, type(self).__name__)
         return KeyedTensor(
             keys=self._embedding_names,
-            values=pooled.concat.float(),  # [B, sum D_f]
+            values=pooled,  # [B, sum D_f]
             length_per_key=self._lengths_per_embedding,
         )
 
     def stats(self) -> dict[str, dict]:
         """Table name -> the table's stats (size, capacity, evictions, failed inserts...)."""
-        return self.collection.stats()
+        return {} if self.collection is None else self.collection.stats()
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        # TorchRec's device() says where the tables are: it follows a move of the collection.
-        self._device = self.collection.table_configs[0].device
+        # TorchRec's device() says where the tables are: it follows a move of the collection
+        # (with tables=[] it stays the constructor's, as TorchRec's does).
+        if self.collection is not None:
+            self._device = self.collection.table_configs[0].device
         return self
 
 
@@ -189,37 +254,29 @@ class EmbeddingCollection(torchrec.EmbeddingCollection):
         opts = check_options(options, [t.name for t in tables])
         names = self._embedding_names_by_table
         configs = [table_config(t, n, opts.get(t.name, {}), device) for t, n in zip(tables, names)]
-        self.collection = DynamicEmbeddingCollection(configs, optimizer, update=update)
+        # TorchRec accepts tables=[]: no native collection then (forward returns {}).
+        self.collection = DynamicEmbeddingCollection(configs, optimizer, update=update) if configs else None
         flat = [n for ns in names for n in ns]
-        if list(self.collection.feature_names) != flat:
+        if configs and list(self.collection.feature_names) != flat:
             raise RuntimeError(f"dynemb collection orders features {list(self.collection.feature_names)}, TorchRec {flat}")
         self._device = configs[0].device if configs else (device or torch.device("cpu"))
-        self._features = _Features(self._feature_names, names)
+        self._pairs = _embedding_pairs(self._feature_names, names)
 
     def reset_parameters(self) -> None:
         """No-op: dynemb initialises each key's row when the key first arrives."""
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         """features: KJT of F features x B samples (raw int64 ids) -> name -> JaggedTensor [n_f, D]."""
-        features = maybe_td_to_kjt(features, None)
-        _reject_variable_batch(features, type(self).__name__)
-        out = self.collection(self._features(_without_weights(features), weighted=False))
-        result: dict[str, JaggedTensor] = {}
-        for embedding_name, feature_name in self._features.pairs:
-            values, lengths = out[embedding_name]
-            result[embedding_name] = JaggedTensor(
-                values=values.float(),  # [n_f, D]
-                lengths=lengths,
-                weights=features[feature_name].values() if self._need_indices else None,
-            )
-        return result
+        return _sequence_lookup(self.collection, features, self._pairs, self.embedding_dim(), self._need_indices, type(self).__name__)
 
     def stats(self) -> dict[str, dict]:
         """Table name -> the table's stats (size, capacity, evictions, failed inserts...)."""
-        return self.collection.stats()
+        return {} if self.collection is None else self.collection.stats()
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        # TorchRec's device() says where the tables are: it follows a move of the collection.
-        self._device = self.collection.table_configs[0].device
+        # TorchRec's device() says where the tables are: it follows a move of the collection
+        # (with tables=[] it stays the constructor's, as TorchRec's does).
+        if self.collection is not None:
+            self._device = self.collection.table_configs[0].device
         return self
