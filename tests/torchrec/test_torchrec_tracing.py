@@ -1,6 +1,7 @@
 """torchrec.fx.symbolic_trace of models holding dynemb's EBC / EC, TorchRec's DLRM included: the
-traced GraphModule shares the module's tables and gives the same outputs and training; and
-``tables=[]`` behaves as TorchRec's modules do.
+traced GraphModule shares the module's tables and gives the same outputs and training;
+TorchRec's TrainPipelineSparseDist (which rewrites a DMP model by tracing it) trains a DMP'd
+DLRM on dynemb tables as plain DMP steps do; and ``tables=[]`` behaves as TorchRec's modules do.
 
 B samples, D embedding dim.
 """
@@ -11,13 +12,18 @@ import pytest
 import torch
 import torchrec
 from torchrec import EmbeddingBagConfig, EmbeddingConfig, KeyedJaggedTensor
+from torchrec.datasets.utils import Batch
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
 from torchrec.fx import symbolic_trace
-from torchrec.models.dlrm import DLRM
+from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec_testing import ids, kjt
 
 import dynemb
 import dynemb.torchrec
 from dynemb.torchrec import EmbeddingBagCollection, EmbeddingCollection
+from spawning import run_ranks
 
 bce = torch.nn.functional.binary_cross_entropy_with_logits
 
@@ -151,6 +157,54 @@ def test_traced_dlrm_on_dynemb_tables_trains_as_the_model():
             bce(out.squeeze(-1), labels).backward()
             opt.step()
     assert_same_tables(model, eager)
+
+
+def _export(collection, table: str) -> dict[str, torch.Tensor]:
+    chunks = list(collection.export(table))
+    return {name: torch.cat([c[name] for c in chunks]) for name in ("keys", "embeddings", "optimizer_state")}
+
+
+def _pipeline_worker(rank: int, world: int) -> None:
+    features = ["user", "item"]
+
+    def model() -> DistributedModelParallel:
+        tables = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=4, num_embeddings=256, feature_names=[f]) for f in features]
+        torch.manual_seed(0)
+        train = DLRMTrain(dlrm(EmbeddingBagCollection(tables, optimizer=dynemb.optim.Adagrad(lr=0.1))))
+        return DistributedModelParallel(train, device=torch.device("cpu"), plan=dynemb.torchrec.plan(train, world), sharders=dynemb.torchrec.sharders())
+
+    piped, eager = model(), model()
+    opt_piped, opt_eager = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (piped, eager))
+    batches = []
+    for step in range(4):
+        g = torch.Generator().manual_seed(10 * rank + step)
+        sparse = kjt(features, batch=8, vocab=ids(40, seed=step), seed=10 * rank + step)
+        batches.append(Batch(dense_features=torch.randn(8, 4, generator=g), sparse_features=sparse, labels=torch.randint(0, 2, (8,), generator=g).float()))
+    pipeline = TrainPipelineSparseDist(piped, opt_piped, torch.device("cpu"))
+    batch_iter = iter(batches)
+    for step, batch in enumerate(batches):
+        loss, _, _ = pipeline.progress(batch_iter)
+        opt_eager.zero_grad()
+        loss_eager, _ = eager(batch)
+        loss_eager.backward()
+        opt_eager.step()
+        torch.testing.assert_close(loss, loss_eager.detach(), msg=lambda m, step=step: f"rank {rank} step {step}: {m}")
+    with pytest.raises(StopIteration):
+        pipeline.progress(batch_iter)
+    # The pipeline traced the model and rewrote dynemb's sharded EBC (its input dist runs a batch ahead).
+    sharded = piped.module.model.sparse_arch.embedding_bag_collection
+    assert type(sharded).__name__ == "ShardedDynamicEmbeddingBagCollection"
+    assert isinstance(sharded.forward, PipelinedForward)
+    for t in ("t_user", "t_item"):
+        ours, ref = (_export(m.module.model.sparse_arch.embedding_bag_collection.local_collection(t), t) for m in (piped, eager))
+        assert ours["keys"].numel() > 0
+        torch.testing.assert_close(ours["keys"], ref["keys"], rtol=0, atol=0)
+        torch.testing.assert_close(ours["embeddings"], ref["embeddings"])
+        torch.testing.assert_close(ours["optimizer_state"], ref["optimizer_state"])
+
+
+def test_train_pipeline_sparse_dist_trains_dmp_dlrm_on_dynemb_tables():
+    run_ranks(_pipeline_worker, 2)
 
 
 # tables=[]: TorchRec 1.8 builds both; its EBC fails in forward (torch.cat of nothing), its EC
