@@ -11,12 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torchrec
+from tensordict import TensorDict
 from torchrec import EmbeddingBagConfig, EmbeddingConfig, KeyedJaggedTensor
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
 from torchrec.fx import symbolic_trace
+from torchrec.inference.modules import quantize_inference_model
 from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec_testing import ids, kjt
 
@@ -113,6 +115,19 @@ def test_traced_ec_matches_the_module(need_indices):
     assert_same_tables(module, eager)
 
 
+def test_traced_modules_take_a_tensordict_as_torchrec_modules_do():
+    values = {"f1": torch.tensor([5, -1, 2**62]), "f2": torch.tensor([1, 0])}
+    lengths = {"f1": torch.tensor([2, 1]), "f2": torch.tensor([1, 1])}
+    td = TensorDict(source={f: torch.nested.nested_tensor_from_jagged(values=values[f], lengths=lengths[f]) for f in values})
+    features = KeyedJaggedTensor.from_lengths_sync(keys=["f1", "f2"], values=torch.cat(list(values.values())), lengths=torch.cat(list(lengths.values())))
+    ebc = EmbeddingBagCollection(bag_tables())
+    torch.testing.assert_close(symbolic_trace(ebc)(td).values(), ebc(features).values())
+    ec = EmbeddingCollection(seq_tables())
+    out, ref = symbolic_trace(ec)(td), ec(features)
+    for name in ref:
+        torch.testing.assert_close(out[name].values(), ref[name].values())
+
+
 def test_traced_module_keeps_the_checks():
     gm = symbolic_trace(EmbeddingBagCollection(bag_tables()))
     vbe = KeyedJaggedTensor(
@@ -157,6 +172,20 @@ def test_traced_dlrm_on_dynemb_tables_trains_as_the_model():
             bce(out.squeeze(-1), labels).backward()
             opt.step()
     assert_same_tables(model, eager)
+
+
+def test_inference_quantization_leaves_dynemb_tables_alone():
+    """TorchRec's quantize_inference_model swaps modules by exact type: a dynemb EBC stays as it
+    is (its dense placeholders are not tables to quantize) and the model's outputs are kept."""
+    features = ["user", "item"]
+    tables = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=4, num_embeddings=64, feature_names=[f]) for f in features]
+    model = dlrm(EmbeddingBagCollection(tables))
+    dense, sparse = torch.randn(6, 4, generator=torch.Generator().manual_seed(0)), kjt(features, batch=6, vocab=ids(20, seed=5), seed=6)
+    ref = model(dense, sparse).detach()
+    model.eval()
+    quantized = quantize_inference_model(model)
+    assert isinstance(quantized.sparse_arch.embedding_bag_collection, EmbeddingBagCollection)
+    torch.testing.assert_close(quantized(dense, sparse), ref)
 
 
 def _export(collection, table: str) -> dict[str, torch.Tensor]:
