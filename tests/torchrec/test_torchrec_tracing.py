@@ -252,6 +252,7 @@ def test_no_tables_builds_as_torchrec(kind):
     assert ours.to("cpu").device == torch.device("cpu")
     configs = ours.embedding_bag_configs() if kind == "ebc" else ours.embedding_configs()
     assert configs == []
+    assert type(dynemb.torchrec.convert(stock)) is ours_cls
 
 
 def test_no_tables_forward_as_torchrec():

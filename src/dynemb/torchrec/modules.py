@@ -173,8 +173,9 @@ class EmbeddingBagCollection(torchrec.EmbeddingBagCollection):
 
     ``forward(features: KeyedJaggedTensor) -> KeyedTensor`` exactly as TorchRec's: keys are the
     embedding names in table order, values ``[B, sum D_f]``, ``length_per_key`` the dims. The
-    native collection is ``self.collection`` (a ``dynemb.DynamicEmbeddingBagCollection``); the
-    module's ``state_dict()`` holds its tables and no dense ``[num_embeddings, D]`` weight.
+    native collection is ``self.collection`` (a ``dynemb.DynamicEmbeddingBagCollection``, ``None``
+    for ``tables=[]``); the module's ``state_dict()`` holds its tables and no dense
+    ``[num_embeddings, D]`` weight. The lookup is one leaf for ``torchrec.fx.symbolic_trace``.
     """
 
     def __init__(
