@@ -71,15 +71,17 @@ class TorchRecTables:
         # The optimizer is settled once: given now, or at the first training forward / sharding.
         self.settled = optimizer is not UNSET
         self.settled_tags = repr({})
-        if not deferred:
+        if configs and not deferred:
             self.build(None if optimizer is UNSET else optimizer)
 
     # -- the collection -------------------------------------------------------------------------
 
     @property
-    def collection(self) -> DynamicTables:
-        """The dynemb collection holding this module's tables (built on first need when the
-        module was built on meta and DMP materialised its handles unsharded)."""
+    def collection(self) -> DynamicTables | None:
+        """The dynemb collection holding this module's tables (``None`` with ``tables=[]``; built
+        on first need when the module was built on meta and DMP materialised its handles unsharded)."""
+        if not self.dynemb_configs:
+            return None
         try:
             return torch.nn.Module.__getattr__(self, "collection")
         except AttributeError:
@@ -94,6 +96,20 @@ class TorchRecTables:
 
     def is_built(self) -> bool:
         return "collection" in dict(self.named_children())
+
+    def forward_collection(self) -> DynamicTables | None:
+        """The collection a forward reads, its optimizer settled when training: ``None`` for a
+        module without tables, or still on meta (the lookup then answers meta inputs only)."""
+        if not self.dynemb_configs:
+            return None
+        if not self.is_built():
+            device = next(iter(self.optimizer_handles.parameters())).device
+            if device.type == "meta":
+                return None
+            self.materialize(device)
+        if self.training and torch.is_grad_enabled():
+            self.settle_optimizer()
+        return self.collection
 
     def build(self, optimizer: RowOptimizer | None) -> DynamicTables:
         collection = self.new_collection(self.dynemb_configs, optimizer)
@@ -145,7 +161,7 @@ class TorchRecTables:
     def move_tables(self, fn) -> bool:
         """``Module._apply`` of a meta module: build its tables where ``fn`` moves tensors.
         Returns whether the module is (now) built."""
-        if self.is_built():
+        if self.is_built() or not self.dynemb_configs:
             return True
         device = _probe_device(fn)
         if device is None:

@@ -179,7 +179,9 @@ class TableHandles(torch.nn.Module):
         return name if name.isidentifier() and not hasattr(torch.nn.Module, name) and name not in ("owner", "names", "key") else f"table_{i}"
 
     def by_table(self) -> dict[str, torch.nn.Parameter]:
-        return {name: self.get_parameter(self.key(i)) for i, name in enumerate(self.names)}
+        # named_parameters, not attribute access: under fx tracing that would give proxies.
+        params = dict(self.named_parameters(recurse=False))
+        return {name: params[self.key(i)] for i, name in enumerate(self.names)}
 
     def tagged(self) -> dict[str, tuple[type, dict[str, Any]]]:
         """Table name -> (optimizer class, kwargs) of every handle ``apply_optimizer_in_backward`` tagged."""
