@@ -23,7 +23,7 @@ import torch
 from dynemb.config import TableConfig
 from dynemb.nn.tables import DynamicTables
 from dynemb.optim import RowOptimizer
-from dynemb.torchrec.optimizers import UNSET, TableHandles, resolve, same, table_dims
+from dynemb.torchrec.optimizers import UNSET, TableHandles, describe, resolve, same, table_dims
 
 _META = torch.device("meta")
 
@@ -140,22 +140,24 @@ class TorchRecTables:
         tags = repr(self.optimizer_handles.tagged())
         if self.settled and tags == self.settled_tags:
             return
-        optimizer = resolve(type(self).__name__, self.given_optimizer, self.optimizer_handles, None)
-        if self.settled:
-            # Tags changed after the optimizer was settled: fine only when they name the same one.
-            if not same(optimizer, self.collection.optimizer):
-                raise ValueError(
-                    f"{type(self).__name__}: apply_optimizer_in_backward was called after the tables started training with "
-                    f"{type(self.collection.optimizer).__name__}; call it before the first forward"
-                )
-        else:
+        if not self.settled:
+            optimizer = resolve(type(self).__name__, self.given_optimizer, self.optimizer_handles, None)
             old = self.collection
             new = self.build(optimizer)
             for name in old.table_names:
                 for chunk in old.export(name):
                     new.insert(name, chunk["keys"], chunk["embeddings"], chunk["scores"])
-            self.given_optimizer = optimizer
             self.settled = True
+        elif self.given_optimizer is not UNSET:
+            resolve(type(self).__name__, self.given_optimizer, self.optimizer_handles, None)  # raises on a conflict
+        else:
+            # Tagged after the tables started training with the optimizer settled then.
+            tagged = resolve(type(self).__name__, UNSET, self.optimizer_handles, None, warn_default=False)
+            if not same(tagged, self.collection.optimizer):
+                raise ValueError(
+                    f"{type(self).__name__}: apply_optimizer_in_backward was called after the tables started training with "
+                    f"{describe(self.collection.optimizer)}; call it before the first forward"
+                )
         self.settled_tags = tags
 
     def move_tables(self, fn) -> bool:
