@@ -2,8 +2,8 @@
 (dynemb.torchrec.plan / sharders): TorchRec's DLRM on the dynemb EBC, a sequence model on the
 dynemb EC, and a weighted EBC with a shared feature and deferred updates, on gloo processes
 spawned here, train like the unsharded model on the concatenated batches (losses step by step,
-then every row and optimizer state gathered by key, each key on rank uint64(key) % W); plan()
-errors.
+then every row and optimizer state gathered by key, each key on rank owner_of(key, W), the
+owner function of dynemb's own sharding); plan() errors.
 
 W ranks, B samples per rank, F features, D embedding dim, N ids.
 """
@@ -24,6 +24,7 @@ from torchrec_testing import INT64_MAX, INT64_MIN, ids
 
 import dynemb
 import dynemb.torchrec
+from dynemb.distributed import owner_of
 from spawning import run_ranks
 
 B, D = 8, 8
@@ -134,13 +135,14 @@ def _rows(collection, tables: list[str]) -> dict[tuple[str, int], torch.Tensor]:
 
 
 def _check_rows(sharded, reference, tables: list[str]) -> None:
-    """Every rank's local rows, gathered: each key on rank uint64(key) % W only, and equal by
-    key to the unsharded model's rows."""
+    """Every rank's local rows, gathered: each key on rank owner_of(key, W) only (the owner of
+    dynemb's own sharding), and equal by key to the unsharded model's rows."""
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = {}
     for t in tables:
         mine.update(_rows(sharded.local_collection(t), [t]))
-    wrong = [k for (_, k) in mine if (k % 2**64) % world != rank]
+    keys = torch.tensor([k for (_, k) in mine], dtype=torch.int64)
+    wrong = keys[owner_of(keys, world) != rank].tolist()
     assert not wrong, f"rank {rank} holds keys of other ranks: {wrong[:5]}"
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine)
@@ -199,10 +201,18 @@ def _dlrm_worker(rank: int, world: int) -> None:
     _check_rows(sharded, reference.sparse_arch.embedding_bag_collection.collection, ["t_user", "t_item", "t_history"])
     # Each rank's tables hold a W-th of the capacity.
     assert all(s["requested_capacity"] == 1024 // world for s in sharded.stats().values())
-    # The model's state_dict has the dense weights only, and says so.
-    with pytest.warns(UserWarning, match="holds no dynemb rows"):
-        state = model.state_dict()
-    assert state and not any("embedding_bag_collection" in k for k in state), sorted(state)
+    # The model's state_dict holds the tables' rows under the unsharded module's names, each
+    # rank's block of a row-sharded tensor (tests/torchrec/test_dmp_dcp.py loads them).
+    state = model.state_dict()
+    prefix = "sparse_arch.embedding_bag_collection.collection."
+    rows = {k[len(prefix) :] for k in state if k.startswith(prefix)}
+    per_table = ("keys", "embeddings", "optimizer_state", "scores", "optimizer_step", "counters")
+    assert rows == {f"{t}.{e}" for t in ("t_user", "t_item", "t_history") for e in per_table} | {"step", "last_timestamp"}, sorted(rows)
+    mine = torch.cat([c["keys"] for c in sharded.local_collection("t_user").export("t_user")])
+    held = torch.tensor([mine.numel()])
+    dist.all_reduce(held)
+    keys = state[prefix + "t_user.keys"]
+    assert keys.size(0) == int(held) and torch.equal(torch.sort(keys.local_shards()[0].tensor).values, torch.sort(mine).values)
 
 
 def _sequence_worker(rank: int, world: int) -> None:
@@ -249,7 +259,6 @@ def test_dmp_shards_the_sequence_collection_and_trains_like_the_unsharded_model(
 
 
 def test_dmp_weighted_shared_feature_deferred_at_three_ranks():
-    # W = 3: uint64(-1) % 3 = 0 but -1 % 3 = 2 in torch, so the routing must be unsigned.
     run_ranks(_shared_feature_worker, 3, timeout_s=TIMEOUT_S)
 
 

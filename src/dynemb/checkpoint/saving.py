@@ -197,6 +197,8 @@ def _save(model, path, *, delta_of: tuple[Path, dict] | None, chunk_rows: int, o
                 }
                 if bar is not None:
                     bar.close()
+                # On every rank: a DMP model's state_dict() is collective (its tables' row blocks).
+                dense_state = dense_entries(model, es) if dense else None
                 writer.finish()
             except BaseException as err:
                 if comm is None:
@@ -230,10 +232,8 @@ def _save(model, path, *, delta_of: tuple[Path, dict] | None, chunk_rows: int, o
                     manifest["base"] = {"id": base["id"], "path": os.path.relpath(base_dir.resolve(), Path(path).resolve().parent)}
                     manifest["chain"] = [*base.get("chain", []), base["id"]]
                 try:
-                    if dense:
-                        state = dense_entries(model, es)
-                        if state:
-                            manifest["dense"] = writer.write_tensors(_DENSE, state, "dense")
+                    if dense_state:
+                        manifest["dense"] = writer.write_tensors(_DENSE, dense_state, "dense")
                     writer.commit(manifest)
                 except BaseException as err:
                     if comm is None:
