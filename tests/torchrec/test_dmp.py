@@ -301,3 +301,39 @@ def test_sharder_refuses_foreign_plans_and_trained_modules():
     ec(_global_batch(SEQ_FEATURES, 0, world=1))
     with pytest.raises(ValueError, match="hold keys"):
         sharder.shard(ec, params, env=None)
+
+
+def test_routing_sends_each_id_to_its_owner_and_sequence_ids_once_per_feature():
+    from dynemb.torchrec.routing import route_pooled, route_sequence
+
+    W = 3
+    features = _global_batch(SEQ_FEATURES, 0, world=1, weighted=True)
+    F, B = len(SEQ_FEATURES), features.stride()
+    bags = features.lengths().view(F, B)
+    # Pooled: every bag keeps its ids (with their weights), split by owner, in their order.
+    pooled = route_pooled(features, W)
+    lengths = pooled.lengths().view(W, F, B)
+    assert torch.equal(lengths.sum(0), bags)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.flatten().cumsum(0)])
+    for f, name in enumerate(SEQ_FEATURES):
+        jt = features[name]
+        for b in range(B):
+            lo, hi = (int(o) for o in jt.offsets()[b : b + 2])
+            ids_, weights = jt.values()[lo:hi], jt.weights()[lo:hi]
+            for r in range(W):
+                mine = owner_of(ids_, W) == r
+                i = (r * F + f) * B + b
+                got = slice(int(offsets[i]), int(offsets[i + 1]))
+                assert torch.equal(pooled.values()[got], ids_[mine])
+                assert torch.equal(pooled.weights()[got], weights[mine])
+    # Sequence: each (owner, feature) sends its distinct ids once; the inverse gives every id back.
+    routed, inverse = route_sequence(features, W)
+    counts = routed.lengths().view(W, F, B).sum(2)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.flatten().cumsum(0)])
+    assert torch.equal(routed.values()[inverse], features.values())
+    assert routed.values().numel() < features.values().numel()
+    for f, name in enumerate(SEQ_FEATURES):
+        for r in range(W):
+            sent = routed.values()[int(offsets[r * F + f]) : int(offsets[r * F + f + 1])]
+            ids_ = features[name].values()
+            assert torch.equal(sent, torch.unique(ids_[owner_of(ids_, W) == r]))

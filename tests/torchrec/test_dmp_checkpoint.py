@@ -2,12 +2,16 @@
 DistributedModelParallel at 2 ranks loads into the unsharded model, into DMP at 3 ranks and into
 dynemb's own sharding at 2, and a natively sharded checkpoint loads under DMP: each time the
 tables (rows and optimizer state by key) equal the saved ones, and one further training step
-gives the loss and the rows of the model that went on without the checkpoint.
+gives the loss and the rows of the model that went on without the checkpoint. A delta saved
+under DMP after that step loads unsharded with its rows.
 
 G samples per global batch, W ranks.
 """
 
 from __future__ import annotations
+
+import json
+import pathlib
 
 import pytest
 import torch
@@ -61,6 +65,8 @@ def _train_and_save(rank: int, world: int, kind: str, root: str) -> None:
     dynemb.checkpoint.save(model, f"{root}/{kind}", dense=True)
     saved = _rows(model, world)
     loss = _step(model, kind, STEPS, rank, world, optimizer)
+    # Only the rows that step touched, every rank its own keys'.
+    dynemb.checkpoint.save_delta(model, f"{root}/{kind}-delta", base=f"{root}/{kind}")
     after = _rows(model, world)
     if rank == 0:
         torch.save({"rows": saved, "loss": loss, "after": after}, f"{root}/{kind}.expected.pt")
@@ -98,6 +104,16 @@ def test_dmp_checkpoint_loads_under_dmp_at_three_ranks(saved):
 
 def test_dmp_checkpoint_loads_natively_sharded(saved):
     run_ranks(_load_and_step, 2, "native", saved, "dmp", timeout_s=TIMEOUT_S)
+
+
+def test_dmp_delta_loads_unsharded(saved):
+    expected = torch.load(f"{saved}/dmp.expected.pt", weights_only=False)
+    model = Model()
+    dynemb.checkpoint.load(model, f"{saved}/dmp-delta")
+    assert_rows(local_rows(model), expected["after"])
+    # The delta holds the rows of the keys the step touched, not the whole table.
+    manifest = json.loads((pathlib.Path(saved) / "dmp-delta" / "manifest.json").read_text())
+    assert manifest["kind"] == "delta" and 0 < sum(t["rows"] for t in manifest["tables"].values()) < len(expected["after"])
 
 
 def test_native_checkpoint_loads_under_dmp(saved):
