@@ -102,7 +102,8 @@ class Stateful:
 
 def prepare_load(state_dict: dict, checkpoint_id: str | os.PathLike | None = None, *, storage_reader=None) -> None:
     """Size the templates of every :class:`Stateful` in ``state_dict`` (the dict about to be
-    passed to ``dcp.load``) from the checkpoint's metadata.
+    passed to ``dcp.load``) from the checkpoint's metadata, and the row-sharded table entries of
+    a DMP model's ``state_dict()`` in it (an even split of the saved rows; collective).
 
     Args:
         state_dict: the dict for ``dcp.load``; its :class:`Stateful` values are prepared.

@@ -17,6 +17,10 @@ checkpoint's metadata, the template splits the N rows evenly over the ranks, DCP
 rank's block, and every rank sends each row to the key's owner (one all-to-all per tensor), then
 re-inserts the keys it owns (as :func:`dynemb.checkpoint.load` does). The module's other
 entries (dense parameters) are plain tensors, replicated.
+
+Tables sharded by TorchRec's DMP (:class:`dynemb.checkpoint.tables.ShardedTables`) use the same
+pieces for their own ``state_dict()``: :func:`table_state` / :func:`load_table_state`, under the
+unsharded module's entry names (docs/design/0030-dmp-checkpoints.md).
 """
 
 from __future__ import annotations
