@@ -17,9 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from dmp_models import Model, assert_rows, dmp, gathered_rows, local_batch, local_rows, mean_over_ranks
+from torchrec import EmbeddingBagConfig
 
 import dynemb
 import dynemb.distributed
+import dynemb.torchrec
 from spawning import run_ranks
 
 STEPS = 3
@@ -118,3 +120,15 @@ def test_dmp_delta_loads_unsharded(saved):
 
 def test_native_checkpoint_loads_under_dmp(saved):
     run_ranks(_load_and_step, 2, "dmp", saved, "native", timeout_s=TIMEOUT_S)
+
+
+def _admission_worker(rank: int, world: int, root: str) -> None:
+    tables = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=64, feature_names=["f"])]
+    options = {"t": {"admission": dynemb.Admission(threshold=2)}}
+    model = dmp(dynemb.torchrec.EmbeddingBagCollection(tables, options=options, optimizer=dynemb.optim.SGD(lr=0.1)))
+    with pytest.raises(ValueError, match=r"tables \['collection.t'\]: saving tables with admission sharded by DMP"):
+        dynemb.checkpoint.save(model, f"{root}/admission")
+
+
+def test_dmp_tables_with_admission_refuse_to_save(tmp_path):
+    run_ranks(_admission_worker, 2, str(tmp_path), timeout_s=TIMEOUT_S)

@@ -160,6 +160,10 @@ def _save(model, path, *, delta_of: tuple[Path, dict] | None, chunk_rows: int, o
     # A sharded model saves from every rank: rank 0 makes the temporary directory and writes the
     # manifest, every rank writes its own keys' files into it (docs/format.md, "Sharded saves").
     comm = comm_of(es)
+    # (The same on every rank: their tables have the same configs.)
+    admitting = [e.name for e in es if e.shard_comm is not None and e.admission is not None]
+    if admitting:
+        raise ValueError(f"tables {admitting}: saving tables with admission sharded by DMP is not supported (every rank would write its counter to one file)")
     rank = None if comm is None else comm.rank
     writer, ckpt_id, error = None, _files.new_id(), None
     if not rank:

@@ -60,11 +60,7 @@ class _LocalTables:
         ``owner_of(key, W)`` (the input dists route so)."""
         if self._checkpoint_comm is None:
             raise RuntimeError(f"{type(self).__name__}: checkpoints need the torch.distributed process group this module was sharded over")
-        collections = {t: self.local_collection(t) for t in self._table_names}
-        admitting = [t for t, c in collections.items() if c.admissions[c.table_names.index(t)] is not None]
-        if admitting:
-            raise ValueError(f"tables {admitting}: checkpoints of DMP tables with admission are not supported (the counters are per rank)")
-        return ShardedTables("collection", collections, self._checkpoint_comm)
+        return ShardedTables("collection", {t: self.local_collection(t) for t in self._table_names}, self._checkpoint_comm)
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """TorchRec's entries (none for dynemb tables) and the tables' rows, under the unsharded
