@@ -3,7 +3,8 @@
 dynemb EC, and a weighted EBC with a shared feature and deferred updates, on gloo processes
 spawned here, train like the unsharded model on the concatenated batches (losses step by step,
 then every row and optimizer state gathered by key, each key on rank owner_of(key, W), the
-owner function of dynemb's own sharding); plan() errors.
+owner function of dynemb's own sharding); the routing itself (sequence ids sent once per
+feature); plan() errors.
 
 W ranks, B samples per rank, F features, D embedding dim, N ids.
 """
