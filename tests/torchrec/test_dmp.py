@@ -2,8 +2,9 @@
 (dynemb.torchrec.plan / sharders): TorchRec's DLRM on the dynemb EBC, a sequence model on the
 dynemb EC, and a weighted EBC with a shared feature and deferred updates, on gloo processes
 spawned here, train like the unsharded model on the concatenated batches (losses step by step,
-then every row and optimizer state gathered by key, each key on rank uint64(key) % W); plan()
-errors.
+then every row and optimizer state gathered by key, each key on rank owner_of(key, W), the
+owner function of dynemb's own sharding); the routing itself (sequence ids sent once per
+feature); plan() errors.
 
 W ranks, B samples per rank, F features, D embedding dim, N ids.
 """
@@ -24,6 +25,7 @@ from torchrec_testing import INT64_MAX, INT64_MIN, ids
 
 import dynemb
 import dynemb.torchrec
+from dynemb.distributed import owner_of
 from spawning import run_ranks
 
 B, D = 8, 8
@@ -134,13 +136,14 @@ def _rows(collection, tables: list[str]) -> dict[tuple[str, int], torch.Tensor]:
 
 
 def _check_rows(sharded, reference, tables: list[str]) -> None:
-    """Every rank's local rows, gathered: each key on rank uint64(key) % W only, and equal by
-    key to the unsharded model's rows."""
+    """Every rank's local rows, gathered: each key on rank owner_of(key, W) only (the owner of
+    dynemb's own sharding), and equal by key to the unsharded model's rows."""
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = {}
     for t in tables:
         mine.update(_rows(sharded.local_collection(t), [t]))
-    wrong = [k for (_, k) in mine if (k % 2**64) % world != rank]
+    keys = torch.tensor([k for (_, k) in mine], dtype=torch.int64)
+    wrong = keys[owner_of(keys, world) != rank].tolist()
     assert not wrong, f"rank {rank} holds keys of other ranks: {wrong[:5]}"
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine)
@@ -199,10 +202,18 @@ def _dlrm_worker(rank: int, world: int) -> None:
     _check_rows(sharded, reference.sparse_arch.embedding_bag_collection.collection, ["t_user", "t_item", "t_history"])
     # Each rank's tables hold a W-th of the capacity.
     assert all(s["requested_capacity"] == 1024 // world for s in sharded.stats().values())
-    # The model's state_dict has the dense weights only, and says so.
-    with pytest.warns(UserWarning, match="holds no dynemb rows"):
-        state = model.state_dict()
-    assert state and not any("embedding_bag_collection" in k for k in state), sorted(state)
+    # The model's state_dict holds the tables' rows under the unsharded module's names, each
+    # rank's block of a row-sharded tensor (tests/torchrec/test_dmp_dcp.py loads them).
+    state = model.state_dict()
+    prefix = "sparse_arch.embedding_bag_collection.collection."
+    rows = {k[len(prefix) :] for k in state if k.startswith(prefix)}
+    per_table = ("keys", "embeddings", "optimizer_state", "scores", "optimizer_step", "counters")
+    assert rows == {f"{t}.{e}" for t in ("t_user", "t_item", "t_history") for e in per_table} | {"step", "last_timestamp"}, sorted(rows)
+    mine = torch.cat([c["keys"] for c in sharded.local_collection("t_user").export("t_user")])
+    held = torch.tensor([mine.numel()])
+    dist.all_reduce(held)
+    keys = state[prefix + "t_user.keys"]
+    assert keys.size(0) == int(held) and torch.equal(torch.sort(keys.local_shards()[0].tensor).values, torch.sort(mine).values)
 
 
 def _sequence_worker(rank: int, world: int) -> None:
@@ -249,7 +260,6 @@ def test_dmp_shards_the_sequence_collection_and_trains_like_the_unsharded_model(
 
 
 def test_dmp_weighted_shared_feature_deferred_at_three_ranks():
-    # W = 3: uint64(-1) % 3 = 0 but -1 % 3 = 2 in torch, so the routing must be unsigned.
     run_ranks(_shared_feature_worker, 3, timeout_s=TIMEOUT_S)
 
 
@@ -292,3 +302,39 @@ def test_sharder_refuses_foreign_plans_and_trained_modules():
     ec(_global_batch(SEQ_FEATURES, 0, world=1))
     with pytest.raises(ValueError, match="hold keys"):
         sharder.shard(ec, params, env=None)
+
+
+def test_routing_sends_each_id_to_its_owner_and_sequence_ids_once_per_feature():
+    from dynemb.torchrec.routing import route_pooled, route_sequence
+
+    W = 3
+    features = _global_batch(SEQ_FEATURES, 0, world=1, weighted=True)
+    F, B = len(SEQ_FEATURES), features.stride()
+    bags = features.lengths().view(F, B)
+    # Pooled: every bag keeps its ids (with their weights), split by owner, in their order.
+    pooled = route_pooled(features, W)
+    lengths = pooled.lengths().view(W, F, B)
+    assert torch.equal(lengths.sum(0), bags)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.flatten().cumsum(0)])
+    for f, name in enumerate(SEQ_FEATURES):
+        jt = features[name]
+        for b in range(B):
+            lo, hi = (int(o) for o in jt.offsets()[b : b + 2])
+            ids_, weights = jt.values()[lo:hi], jt.weights()[lo:hi]
+            for r in range(W):
+                mine = owner_of(ids_, W) == r
+                i = (r * F + f) * B + b
+                got = slice(int(offsets[i]), int(offsets[i + 1]))
+                assert torch.equal(pooled.values()[got], ids_[mine])
+                assert torch.equal(pooled.weights()[got], weights[mine])
+    # Sequence: each (owner, feature) sends its distinct ids once; the inverse gives every id back.
+    routed, inverse = route_sequence(features, W)
+    counts = routed.lengths().view(W, F, B).sum(2)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.flatten().cumsum(0)])
+    assert torch.equal(routed.values()[inverse], features.values())
+    assert routed.values().numel() < features.values().numel()
+    for f, name in enumerate(SEQ_FEATURES):
+        for r in range(W):
+            sent = routed.values()[int(offsets[r * F + f]) : int(offsets[r * F + f + 1])]
+            ids_ = features[name].values()
+            assert torch.equal(sent, torch.unique(ids_[owner_of(ids_, W) == r]))

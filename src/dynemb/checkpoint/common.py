@@ -43,7 +43,7 @@ def dense_entries(model: torch.nn.Module, es: list[Entry]) -> dict[str, torch.Te
 
 def comm_of(es: list[Entry]):
     """The Comm of a sharded model's tables (None when unsharded); all or none must be sharded."""
-    of = [e.engine.comm if e.engine.collective else None for e in es]
+    of = [e.comm for e in es]
     comms = {id(c): c for c in of}
     if len(comms) == 1:
         return next(iter(comms.values()))

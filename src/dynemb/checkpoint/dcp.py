@@ -30,11 +30,12 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from dynemb.checkpoint import dcp_sharded
-from dynemb.checkpoint.dcp_sharded import table_prefixes
+from dynemb.checkpoint.dcp_sharded import even_block, sharded_rows, table_prefixes
 
 __all__ = ["Stateful", "prepare_load"]
 
@@ -101,7 +102,8 @@ class Stateful:
 
 def prepare_load(state_dict: dict, checkpoint_id: str | os.PathLike | None = None, *, storage_reader=None) -> None:
     """Size the templates of every :class:`Stateful` in ``state_dict`` (the dict about to be
-    passed to ``dcp.load``) from the checkpoint's metadata.
+    passed to ``dcp.load``) from the checkpoint's metadata, and the row-sharded table entries of
+    a DMP model's ``state_dict()`` in it (an even split of the saved rows; collective).
 
     Args:
         state_dict: the dict for ``dcp.load``; its :class:`Stateful` values are prepared.
@@ -117,3 +119,27 @@ def prepare_load(state_dict: dict, checkpoint_id: str | os.PathLike | None = Non
             value.template_from(metadata, key)
         elif isinstance(value, torch.nn.Module) and table_prefixes(value):
             raise TypeError(f"state_dict[{key!r}] is a module holding dynemb tables: wrap it as dynemb.checkpoint.dcp.Stateful(module) to load it with DCP")
+    _retemplate_rows(state_dict, metadata, "")
+
+
+# The row-sharded entries of a table in a DMP model's state_dict() (dcp_sharded.table_state).
+_ROW_ENTRIES = ("keys", "embeddings", "optimizer_state", "scores")
+
+
+def _retemplate_rows(state: dict, metadata: Metadata, prefix: str) -> None:
+    """Each row-sharded table entry of ``state`` (nested dicts included: DCP flattens them with
+    dots) whose saved row count differs becomes an even split of the saved rows over the ranks
+    (collective: every rank prepares the same dict)."""
+    for key, value in list(state.items()):
+        fqn = f"{prefix}{key}"
+        if isinstance(value, dict):
+            _retemplate_rows(value, metadata, f"{fqn}.")
+            continue
+        if not isinstance(value, ShardedTensor) or str(key).rsplit(".", 1)[-1] not in _ROW_ENTRIES:
+            continue
+        saved = metadata.state_dict_metadata.get(fqn)
+        if not isinstance(saved, TensorStorageMetadata) or tuple(saved.size) == tuple(value.size()):
+            continue
+        n = saved.size[0]
+        lo, hi = even_block(n)
+        state[key] = sharded_rows(torch.empty(hi - lo, *saved.size[1:], dtype=saved.properties.dtype), lo, n)

@@ -160,6 +160,10 @@ def _save(model, path, *, delta_of: tuple[Path, dict] | None, chunk_rows: int, o
     # A sharded model saves from every rank: rank 0 makes the temporary directory and writes the
     # manifest, every rank writes its own keys' files into it (docs/format.md, "Sharded saves").
     comm = comm_of(es)
+    # (The same on every rank: their tables have the same configs.)
+    admitting = [e.name for e in es if e.shard_comm is not None and e.admission is not None]
+    if admitting:
+        raise ValueError(f"tables {admitting}: saving tables with admission sharded by DMP is not supported (every rank would write its counter to one file)")
     rank = None if comm is None else comm.rank
     writer, ckpt_id, error = None, _files.new_id(), None
     if not rank:
@@ -197,6 +201,8 @@ def _save(model, path, *, delta_of: tuple[Path, dict] | None, chunk_rows: int, o
                 }
                 if bar is not None:
                     bar.close()
+                # On every rank: a DMP model's state_dict() is collective (its tables' row blocks).
+                dense_state = dense_entries(model, es) if dense else None
                 writer.finish()
             except BaseException as err:
                 if comm is None:
@@ -230,10 +236,8 @@ def _save(model, path, *, delta_of: tuple[Path, dict] | None, chunk_rows: int, o
                     manifest["base"] = {"id": base["id"], "path": os.path.relpath(base_dir.resolve(), Path(path).resolve().parent)}
                     manifest["chain"] = [*base.get("chain", []), base["id"]]
                 try:
-                    if dense:
-                        state = dense_entries(model, es)
-                        if state:
-                            manifest["dense"] = writer.write_tensors(_DENSE, state, "dense")
+                    if dense_state:
+                        manifest["dense"] = writer.write_tensors(_DENSE, dense_state, "dense")
                     writer.commit(manifest)
                 except BaseException as err:
                     if comm is None:

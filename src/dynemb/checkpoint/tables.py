@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -19,14 +20,52 @@ DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat1
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardedTables:
+    """What a module whose dynemb tables another framework shards (TorchRec's DMP, through
+    ``dynemb.torchrec``) shows the checkpoint: this rank's keys of each table, held in a local
+    (unsharded) collection, and the process group they are split over, each key on rank
+    ``dynemb.distributed.owner_of(key, W)``, as under ``dynemb.distributed.shard``.
+
+    Args:
+        path: where the unsharded module keeps its collection, below the module (``"collection"``
+            for ``dynemb.torchrec``'s modules): a table is named ``<module path>.<path>.<table>``,
+            as in the unsharded model.
+        collections: table name -> the local collection holding this rank's keys of it (one
+            collection may hold several tables), in the same order on every rank.
+        comm: the ``dynemb.distributed.comm.Comm`` of the process group.
+    """
+
+    path: str
+    collections: dict
+    comm: object
+
+
+@runtime_checkable
+class ShardedElsewhere(Protocol):
+    """A module presenting tables sharded by another framework (see :class:`ShardedTables`)."""
+
+    def checkpoint_tables(self) -> ShardedTables: ...
+
+
 @dataclasses.dataclass
 class Entry:
-    """One table: a DynamicTable, or table ``table`` of a collection."""
+    """One table: a DynamicTable, or table ``table`` of a collection; ``shard_comm``: the process
+    group of a table sharded by another framework (its module holds this rank's keys)."""
 
     name: str
     module_path: str
     module: torch.nn.Module
     table: str | None
+    shard_comm: object = None
+
+    @property
+    def comm(self):
+        """The Comm of the process group the table is sharded over (None: unsharded)."""
+        if self.shard_comm is not None:
+            return self.shard_comm
+        engine = self.engine
+        return engine.comm if engine.collective else None
 
     @property
     def is_collection(self) -> bool:
@@ -107,11 +146,36 @@ class Entry:
         return self.engine.track_changes()
 
 
+# TorchRec's DistributedModelParallel keeps the model in this child, inside a
+# DistributedDataParallel's ``module`` when it wraps the dense part; its state_dict() names
+# entries without either, and so do checkpoints (a DMP model's tables get the unsharded names).
+_DMP_CHILD = "_dmp_wrapped_module"
+
+
+def _walk(module: torch.nn.Module, path: str, in_dmp: bool, seen: set):
+    """(path, module) of ``module`` and its descendants (each once), paths as the unsharded
+    model names them; the tables of a :class:`ShardedElsewhere` module are its own."""
+    if id(module) in seen:
+        return
+    seen.add(id(module))
+    yield path, module
+    if isinstance(module, ShardedElsewhere):
+        return
+    for name, child in module.named_children():
+        wrapper = name == _DMP_CHILD or (in_dmp and name == "module" and isinstance(module, torch.nn.parallel.DistributedDataParallel))
+        yield from _walk(child, path if wrapper else (f"{path}.{name}" if path else name), name == _DMP_CHILD, seen)
+
+
 def entries(model: torch.nn.Module) -> list[Entry]:
     """Every dynemb table in ``model`` (itself included), named as in docs/format.md."""
     out: list[Entry] = []
-    for path, module in model.named_modules():
-        if isinstance(module, DynamicTable):
+    for path, module in _walk(model, "", False, set()):
+        if isinstance(module, ShardedElsewhere):
+            sharded = module.checkpoint_tables()
+            base = ".".join(p for p in (path, sharded.path) if p)
+            for t, collection in sharded.collections.items():
+                out.append(Entry(f"{base}.{t}" if base else t, base, collection, t, sharded.comm))
+        elif isinstance(module, DynamicTable):
             out.append(Entry(path or "table", path, module, None))
         elif isinstance(module, DynamicTables):
             for t in module.table_names:

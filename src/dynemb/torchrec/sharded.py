@@ -2,21 +2,32 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torchrec.distributed.embedding import ShardedEmbeddingCollection
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.types import ShardingEnv
 
+from dynemb.checkpoint.dcp_sharded import load_table_state, table_state
+from dynemb.checkpoint.tables import ShardedTables, entries
+from dynemb.distributed.comm import Comm
+from dynemb.errors import CheckpointError
 from dynemb.nn import DynamicEmbeddingBagCollection, DynamicEmbeddingCollection
 from dynemb.torchrec.kernel import DynembKernel
 from dynemb.torchrec.routing import RowWisePooledSharding, RowWiseSequenceSharding
 
 
 class _LocalTables:
-    """This rank's shard of each table (both sharded modules)."""
+    """This rank's shard of each table (both sharded modules), and the tables in the module's
+    ``state_dict()`` and in dynemb checkpoints (docs/design/0030-dmp-checkpoints.md)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # The checkpoints' exchanges (every rank builds its sharded modules in the same order).
+        group = self._env.process_group
+        self._checkpoint_comm = Comm(group) if group is not None and dist.is_initialized() else None
 
     def _kernels(self) -> Iterator[DynembKernel]:
         for lookup in self._lookups:
@@ -43,15 +54,36 @@ class _LocalTables:
     def reset_parameters(self) -> None:
         """No-op: dynemb initialises each key's row when the key first arrives."""
 
-    def state_dict(self, *args, **kwargs):
-        """TorchRec's entries (none for these tables): the rows are not in it, so it warns."""
-        warnings.warn(
-            f"{type(self).__name__}.state_dict() holds no dynemb rows (tables {self._table_names}); each rank's rows are in "
-            "local_collection(table) (its state_dict() or export()). See docs/design/0016-torchrec-dmp.md",
-            UserWarning,
-            stacklevel=2,
-        )
-        return super().state_dict(*args, **kwargs)
+    def checkpoint_tables(self) -> ShardedTables:
+        """This rank's local collections as ``dynemb.checkpoint`` sees them: each table named as
+        in the unsharded module (``<path>.collection.<table>``), each key on rank
+        ``owner_of(key, W)`` (the input dists route so)."""
+        if self._checkpoint_comm is None:
+            raise RuntimeError(f"{type(self).__name__}: checkpoints need the torch.distributed process group this module was sharded over")
+        return ShardedTables("collection", {t: self.local_collection(t) for t in self._table_names}, self._checkpoint_comm)
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """TorchRec's entries (none for dynemb tables) and the tables' rows, under the unsharded
+        module's names (``collection.<table>.keys``, ``embeddings``, ``optimizer_state``,
+        ``scores`` as row-sharded tensors, DCP-ready; see
+        :func:`dynemb.checkpoint.dcp_sharded.table_state`). Collective: every rank calls it."""
+        out = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        out.update(table_state(entries(self), prefix))
+        return out
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
+        """Loads the tables' entries of :meth:`state_dict` (any row blocks on each rank, e.g. a
+        DCP load at another world size: each row goes to its key's owner), then TorchRec's.
+        Collective: every rank loads."""
+        own = prefix + "collection."
+        mine = {k: state_dict.pop(k) for k in list(state_dict) if k.startswith(own)}
+        try:
+            missing, unexpected = load_table_state(entries(self), mine, prefix)
+            missing_keys.extend(missing)
+            unexpected_keys.extend(unexpected)
+        except (ValueError, CheckpointError) as e:
+            error_msgs.append(f"{type(self).__name__} at {prefix!r}: {e}; its tables were not changed")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
 
 class ShardedDynamicEmbeddingBagCollection(_LocalTables, ShardedEmbeddingBagCollection):

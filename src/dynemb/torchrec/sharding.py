@@ -6,9 +6,9 @@ W ranks, B samples per rank, F features of a kernel, D_f a feature's dim, N ids 
     model = DistributedModelParallel(model, plan=dynemb.torchrec.plan(model, W), sharders=dynemb.torchrec.sharders())
     model = DistributedModelParallel(model, sharders=dynemb.torchrec.sharders())  # TorchRec's planner plans it
 
-TorchRec routes every raw int64 id to rank ``uint64(id) % W`` with the id kept (its own
-``RwSparseFeaturesDist`` with ``keep_original_indices=True`` and a hash size of W per feature,
-so the block size is 1). Each rank's kernel (TorchRec's ``customized_kernel``) looks the ids it
+Every raw int64 id goes to rank ``dynemb.distributed.owner_of(id, W)`` with the id kept (the
+input dists of ``routing.py``, through TorchRec's all-to-all; sequence ids once per feature), as
+under dynemb's own sharding, so checkpoints load into either. Each rank's kernel (TorchRec's ``customized_kernel``) looks the ids it
 receives up in its own unsharded dynemb collection of ``capacity // W`` rows per table, which
 updates itself in backward as usual. TorchRec's output dists stay: pooled sums are
 reduce-scattered (and divided for MEAN tables), sequence rows are sent back in id order. See
