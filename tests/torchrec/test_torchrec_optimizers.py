@@ -11,6 +11,7 @@ the unsharded model with the equivalent dynemb optimizer; ``dmp.fused_optimizer`
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -368,3 +369,10 @@ def _no_sharders_worker(rank: int, world: int) -> None:
 
 def test_dmp_without_dynemb_sharders_raises():
     run_ranks(_no_sharders_worker, 2, timeout_s=TIMEOUT_S)
+
+
+def test_a_copy_of_a_module_keeps_its_optimizer_unchosen():
+    twin = copy.deepcopy(dynemb.torchrec.EmbeddingBagCollection(bag_tables()))
+    apply_optimizer_in_backward(torch.optim.SGD, twin.parameters(), {"lr": 0.3})
+    train(twin, steps=1)
+    assert isinstance(twin.collection.optimizer, dynemb.optim.SGD) and twin.collection.optimizer.lr == 0.3

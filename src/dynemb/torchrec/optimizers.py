@@ -37,6 +37,9 @@ class _Unset:
     def __repr__(self) -> str:
         return "UNSET"
 
+    def __reduce__(self) -> str:
+        return "UNSET"  # copies and pickles are the one UNSET (compared with ``is``)
+
 
 #: The ``optimizer=`` default of dynemb's TorchRec modules: "not chosen here" (ways 2-4 above),
 #: as opposed to ``None``, frozen tables on purpose.
