@@ -24,6 +24,22 @@ def test_short_demo_run_beats_chance(capsys):
     assert "held-out AUC" in out and "evictions" in out
 
 
+def test_tiered_demo_trains_like_the_in_memory_demo_and_prints_its_tiers(tmp_path, capsys):
+    """--tiers: the users' rows in a 2^13-row device tier over a disk tier. Nothing is evicted in
+    a short run, so the model, and its AUC, are those of the in-memory demo."""
+    args = ["--steps", "60", "--batch-size", "512", "--eval-samples", "4000"]
+    plain = main(args)
+    capsys.readouterr()
+    tiered = main([*args, "--tiers", "--tier-dir", str(tmp_path / "tiers"), "--plot", str(tmp_path / "tiers.png")])
+    assert tiered == plain
+    out = capsys.readouterr().out
+    assert "users' tiers:" in out and "hit rate" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split() and line.split()[0] in ("device", "disk")}
+    assert set(rows) == {"device", "disk"}
+    assert int(rows["device"][1]) == 1 << 13  # the device tier is full, the rest went to disk
+    assert int(rows["disk"][1]) > 0
+
+
 def test_distributed_demo_under_torchrun():
     """README's distributed command, shortened: 2 gloo processes, tables sharded, per-rank stats."""
     import os

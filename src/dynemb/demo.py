@@ -2,6 +2,7 @@
 
     python -m dynemb.demo                 # CPU, under a minute on 2 cores
     python -m dynemb.demo --device cuda
+    python -m dynemb.demo --tiers         # users' rows: a small device tier over a disk tier
     torchrun --nproc-per-node 2 -m dynemb.demo --distributed    # tables sharded over 2 processes
 
 B samples per batch, K latent dim of the planted signal, D embedding dim, T tags per sample.
@@ -76,12 +77,18 @@ class ClickModel(torch.nn.Module):
     """A collection of three dynamic tables (``items`` read by two features) + an MLP over
     [user, item, previous item, tags, user * item] embeddings."""
 
-    def __init__(self, dim: int, device: str):
+    def __init__(self, dim: int, device: str, tier_dir: str | None = None):
         super().__init__()
         common = dict(embedding_dim=dim, device=device, check_mode="count", score_strategy="timestamp")
+        # --tiers: the users' 2^17 rows live in a 2^13-row device tier over a disk tier.
+        users = (
+            dict(tiers=[dynemb.Tier("device", rows=1 << 13), dynemb.Tier("disk", rows=(1 << 17) - (1 << 13), path=tier_dir)])
+            if tier_dir is not None
+            else dict(capacity=1 << 17, init_capacity=1 << 14)
+        )
         self.sparse = dynemb.DynamicEmbeddingBagCollection(
             [
-                dynemb.TableConfig(name="users", feature_names=["user"], capacity=1 << 17, init_capacity=1 << 14, **common),
+                dynemb.TableConfig(name="users", feature_names=["user"], **users, **common),
                 dynemb.TableConfig(name="items", feature_names=["item", "previous_item"], capacity=1 << 16, **common),
                 dynemb.TableConfig(name="tags", feature_names=["tags"], capacity=1 << 13, pooling="mean", **common),
             ],
@@ -156,7 +163,12 @@ def main(argv: list[str] | None = None) -> float:
         action="store_true",
         help="shard the tables over the processes of torchrun (gloo on CPU, NCCL with --device cuda); --batch-size is per process",
     )
+    parser.add_argument("--tiers", action="store_true", help="keep the users table in a small device tier over a disk tier; print the tiers' figures")
+    parser.add_argument("--tier-dir", default=None, help="directory of the disk tier (default: a temporary directory)")
+    parser.add_argument("--plot", default="dynemb-tiers.png", help="with --tiers: where the plot of hit rate and tier fill goes (needs matplotlib)")
     args = parser.parse_args(argv)
+    if args.tiers and args.distributed:
+        parser.error("--tiers: run it in one process (the sharded demo keeps every row in memory)")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available on this machine")
 
@@ -177,7 +189,13 @@ def main(argv: list[str] | None = None) -> float:
     torch.manual_seed(args.seed)
     # Each process draws its own samples; the planted signal is the same everywhere.
     log = ClickLog(args.seed + 7919 * rank)
-    model = ClickModel(args.dim, args.device)
+    tier_dir = None
+    if args.tiers:
+        import tempfile
+
+        tier_dir = args.tier_dir or tempfile.mkdtemp(prefix="dynemb-demo-tiers-")
+    model = ClickModel(args.dim, args.device, tier_dir)
+    tier_history: list[tuple[int, list[dict]]] = []
     if args.distributed:
         dynemb.distributed.shard(model.sparse)
         model.mlp = torch.nn.parallel.DistributedDataParallel(model.mlp)
@@ -198,6 +216,8 @@ def main(argv: list[str] | None = None) -> float:
         smoothed = loss.item() if smoothed is None else 0.98 * smoothed + 0.02 * loss.item()
         if progress is not None:
             progress.update(step, smoothed)
+        if args.tiers and (step % 10 == 0 or step == args.steps):
+            tier_history.append((step, model.sparse.stats()["users"]["tiers"]))
 
     model.eval()
     held_out = ClickLog(args.seed + 1)
@@ -220,9 +240,59 @@ def main(argv: list[str] | None = None) -> float:
                 )
         if args.distributed:
             dist.barrier()
+    if args.tiers:
+        print_tiers(model.sparse.stats()["users"]["tiers"])
+        plot_tiers(tier_history, args.plot)
     if args.distributed:
         dist.destroy_process_group()
     return model_auc
+
+
+def print_tiers(tiers: list[dict]) -> None:
+    """The users table's tiers: rows held, capacity, hits, misses, hit rate, promotions, demotions, bytes."""
+    print(f"users' tiers:\n{'tier':<8}{'rows':>9}{'capacity':>10}{'hits':>10}{'misses':>10}{'hit rate':>9}{'promoted':>10}{'demoted':>10}{'MiB':>8}")
+    for t in tiers:
+        looked = t["hits"] + t["misses"]
+        rate = t["hits"] / looked if looked else float("nan")
+        print(
+            f"{t['kind']:<8}{t['rows']:>9}{t['capacity']:>10}{t['hits']:>10}{t['misses']:>10}{rate:>9.3f}"
+            f"{t['promotions']:>10}{t['demotions']:>10}{t['bytes'] / 2**20:>8.1f}"
+        )
+
+
+def plot_tiers(history: list[tuple[int, list[dict]]], path: str) -> None:
+    """Hit rate of the fastest tier (per interval) and each tier's fill over the steps, to ``path``
+    when matplotlib is installed (``pip install dynemb[plot]``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(no plot: pip install matplotlib, or dynemb[plot], to draw hit rate and tier fill over steps)")
+        return
+    steps = [s for s, _ in history]
+    rates, previous = [], None
+    for _, tiers in history:
+        hits, misses = tiers[0]["hits"], tiers[0]["misses"]
+        if previous is not None:
+            dh, dm = hits - previous[0], misses - previous[1]
+            rates.append(dh / (dh + dm) if dh + dm else float("nan"))
+        else:
+            rates.append(hits / (hits + misses) if hits + misses else float("nan"))
+        previous = (hits, misses)
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(7, 6))
+    top.plot(steps, rates)
+    top.set_ylabel(f"{history[0][1][0]['kind']} tier hit rate")
+    top.set_ylim(0, 1)
+    for i, tier in enumerate(history[0][1]):
+        bottom.plot(steps, [tiers[i]["rows"] / tiers[i]["capacity"] for _, tiers in history], label=tier["kind"])
+    bottom.set_ylabel("fill (rows / capacity)")
+    bottom.set_xlabel("step")
+    bottom.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"plot of hit rate and tier fill: {path}")
 
 
 if __name__ == "__main__":
