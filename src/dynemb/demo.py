@@ -194,6 +194,7 @@ def main(argv: list[str] | None = None) -> float:
         import tempfile
 
         tier_dir = args.tier_dir or tempfile.mkdtemp(prefix="dynemb-demo-tiers-")
+        os.makedirs(tier_dir, exist_ok=True)
     model = ClickModel(args.dim, args.device, tier_dir)
     tier_history: list[tuple[int, list[dict]]] = []
     if args.distributed:
