@@ -10,8 +10,8 @@ import os
 
 import pytest
 import torch
-from dict_storage import DictStorage
 
+from dict_storage import DictStorage
 from dynemb.storage import DiskStorage, ExternalStorage, InMemoryStorage
 
 W = 5
