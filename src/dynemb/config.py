@@ -140,14 +140,16 @@ class TableConfig:
         pooling: how a bag collection pools this table's features, ``sum`` (default, as
             TorchRec) or ``mean`` (the single-table modules take ``mode=`` instead).
         caching: the table's rows live in ``external_storage`` (every row, by key) behind a
-            write-back cache of ``init_capacity`` rows on ``device`` (all ``capacity`` rows when
-            ``init_capacity`` is None); ``capacity`` bounds the keys the store may hold.
+            write-back cache of ``cache_rows`` rows on ``device``; ``capacity`` bounds the keys
+            the store may hold (the key index stays in memory, as for every table).
             ``flush()`` writes the dirty cached rows back, a checkpoint save flushes first,
             ``stats()["cache"]`` has the hit rate (docs/design/0034-caching-external-storage.md).
         external_storage: the :class:`dynemb.storage.ExternalStorage` of a caching table
             (``get`` / ``put`` / ``delete`` / ``items``), e.g. ``dynemb.storage.InMemoryStorage()``
             or ``dynemb.storage.DiskStorage(path)``; required with ``caching=True``, refused
             without it. A store serves one table.
+        cache_rows: rows of a caching table's cache (default: ``capacity``, every row cached,
+            the store then a write-back copy); only with ``caching=True``.
     """
 
     embedding_dim: int
@@ -170,6 +172,7 @@ class TableConfig:
     caching: bool = False
     # Compared by identity, left out of the hash: a store is an object, not a value.
     external_storage: object | None = dataclasses.field(default=None, hash=False)
+    cache_rows: int | None = None
 
     def __post_init__(self):
         _require_int("embedding_dim", self.embedding_dim, 1)
@@ -233,5 +236,8 @@ class TableConfig:
                 store,
                 "caching=True needs an external store with get, put, delete and items (dynemb.storage.ExternalStorage)",
             )
+            if self.cache_rows is not None:
+                _require_int("cache_rows", self.cache_rows, 1)
         else:
             _require(store is None, "external_storage", store, "needs caching=True (the table's rows are a cache over the store)")
+            _require(self.cache_rows is None, "cache_rows", self.cache_rows, "needs caching=True (the rows cached in front of external_storage)")

@@ -86,7 +86,7 @@ class Engine:
             slots = sum(-(-c.capacity // W) * W for c in configs)
             what = f"capacity of tables {[c.name for c in configs]}: full tables need"
         # A caching table holds only its cache's rows in memory.
-        self.cache_rows = min(first.init_capacity or first.capacity, slots) if first.caching else None
+        self.cache_rows = min(first.cache_rows or first.capacity, slots) if first.caching else None
         full_bytes = index_bytes(slots) + (self.cache_rows or slots) * self.width * elsize
         total = device_memory(first.device)
         if total is not None and full_bytes > total:

@@ -58,7 +58,7 @@ class CachingRowStore:
         self.external = external
         M = self.cache_rows = min(cache_rows, capacity)
         with torch.inference_mode(False):
-            self.data = empty((M, width), dtype=dtype, device=dev)
+            self.cache = empty((M, width), dtype=dtype, device=dev)
             self.slot_row = torch.full((M,), -1, dtype=torch.int64, device=dev)
             self.dirty = torch.zeros(M, dtype=torch.bool, device=dev)
             self.used = torch.zeros(M, dtype=torch.int64, device=dev)
@@ -98,11 +98,11 @@ class CachingRowStore:
             self.misses += rows.numel() - n_hit
             if n_hit == rows.numel():
                 self.used.index_fill_(0, slots, self.clock)
-                return self.data.index_select(0, slots)
+                return self.cache.index_select(0, slots)
             out = torch.empty(rows.numel(), self.width, dtype=self.dtype, device=self.device)
             hsel, msel = hit.nonzero().squeeze(1), (~hit).nonzero().squeeze(1)
             hit_slots = slots.index_select(0, hsel)
-            out.index_copy_(0, hsel, self.data.index_select(0, hit_slots))
+            out.index_copy_(0, hsel, self.cache.index_select(0, hit_slots))
             self.used.index_fill_(0, hit_slots, self.clock)
             missing, inverse = torch.unique(rows.index_select(0, msel), return_inverse=True)
             values = self._fetch(missing)  # [m, W]
@@ -123,7 +123,7 @@ class CachingRowStore:
             hit = slots >= 0
             hsel = hit.nonzero().squeeze(1)
             hit_slots = slots.index_select(0, hsel)
-            self.data[:, :k].index_copy_(0, hit_slots, values.index_select(0, hsel))
+            self.cache[:, :k].index_copy_(0, hit_slots, values.index_select(0, hsel))
             self.dirty.index_fill_(0, hit_slots, True)
             self.used.index_fill_(0, hit_slots, self.clock)
             if hsel.numel() == rows.numel():
@@ -171,7 +171,7 @@ class CachingRowStore:
         with torch.inference_mode(False):
             slots = (self.dirty & (self.slot_row >= 0)).nonzero().squeeze(1)
             if slots.numel():
-                self._put(self.slot_row.index_select(0, slots), self.data.index_select(0, slots))
+                self._put(self.slot_row.index_select(0, slots), self.cache.index_select(0, slots))
                 self.dirty.index_fill_(0, slots, False)
 
     def bound_keys(self) -> torch.Tensor:
@@ -211,13 +211,13 @@ class CachingRowStore:
             )
         device = resolve_device(device)
         with torch.inference_mode(False):
-            for name in ("data", "slot_row", "dirty", "used", "row_slot", "row_key", "row_bound", "row_stored"):
+            for name in ("cache", "slot_row", "dirty", "used", "row_slot", "row_key", "row_bound", "row_stored"):
                 setattr(self, name, getattr(self, name).to(device))
         self.device = device
         return self
 
     def nbytes(self) -> int:
-        tensors = (self.data, self.slot_row, self.dirty, self.used, self.row_slot, self.row_key, self.row_bound, self.row_stored)
+        tensors = (self.cache, self.slot_row, self.dirty, self.used, self.row_slot, self.row_key, self.row_bound, self.row_stored)
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def _uncache(self, rows: torch.Tensor) -> None:
@@ -276,7 +276,7 @@ class CachingRowStore:
             rows = rows[:n]
             self.slot_row.index_copy_(0, slots, rows)
             self.row_slot.index_copy_(0, rows, slots)
-            self.data.index_copy_(0, slots, values[:n])
+            self.cache.index_copy_(0, slots, values[:n])
             self.dirty.index_fill_(0, slots, dirty)
             self.used.index_fill_(0, slots, self.clock)
         return n
@@ -286,7 +286,7 @@ class CachingRowStore:
         rows = self.slot_row.index_select(0, slots)
         dirty = self.dirty.index_select(0, slots).nonzero().squeeze(1)
         if dirty.numel():
-            self._put(rows.index_select(0, dirty), self.data.index_select(0, slots.index_select(0, dirty)))
+            self._put(rows.index_select(0, dirty), self.cache.index_select(0, slots.index_select(0, dirty)))
         self.row_slot.index_fill_(0, rows, -1)
         self.slot_row.index_fill_(0, slots, -1)
         self.dirty.index_fill_(0, slots, False)
