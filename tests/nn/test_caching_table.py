@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dict_storage import DictStorage
 
 import dynemb
+from dict_storage import DictStorage
 from dynemb import TableConfig
 from dynemb.storage import DiskStorage, InMemoryStorage
 
