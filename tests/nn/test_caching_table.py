@@ -45,7 +45,9 @@ def pair(make_store, bag: bool = False, opt: str = "adam", **options):
     kw = {"mode": "sum"} if bag else {}
     plain = cls(D, options.pop("capacity", CAPACITY), optimizer=OPTIMIZERS[opt](), score_strategy="step", **kw, **options)
     store = make_store()
-    cached = cls(D, plain.config.capacity, optimizer=OPTIMIZERS[opt](), score_strategy="step", caching=True, external_storage=store, cache_rows=M, **kw, **options)
+    cached = cls(
+        D, plain.config.capacity, optimizer=OPTIMIZERS[opt](), score_strategy="step", caching=True, external_storage=store, cache_rows=M, **kw, **options
+    )
     return plain, cached, store
 
 
