@@ -246,9 +246,10 @@ def test_bad_arguments_name_themselves(tmp_path):
     shared = [TableConfig(name=n, embedding_dim=D, capacity=8, caching=True, external_storage=store) for n in ("a", "b")]
     with pytest.raises(ValueError, match=r"external_storage: tables \['a', 'b'\] share one store"):
         dynemb.DynamicEmbeddingCollection(shared)
-    table = dynemb.DynamicEmbedding(D, 8, caching=True, external_storage=store)
-    with pytest.raises(ValueError, match="dtype=torch.float64"):
-        table.double()
+    with pytest.raises(ValueError, match="cache_rows=4"):
+        TableConfig(embedding_dim=D, capacity=8, cache_rows=4)
+    with pytest.raises(ValueError, match="cache_rows=0"):
+        TableConfig(embedding_dim=D, capacity=8, caching=True, external_storage=store, cache_rows=0)
     assert "cache" not in dynemb.DynamicEmbedding(D, 8).stats()
 
 
@@ -260,3 +261,17 @@ def test_a_store_that_loses_rows_is_reported(make_store):
     store.delete(keys)
     with pytest.raises(RuntimeError, match="external_storage lost the rows"):
         train([cached], 1, torch.Generator().manual_seed(10))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_dtype_conversion_rewrites_the_store(make_store, dtype):
+    plain, cached, store = pair(make_store, opt="adagrad")
+    gen = torch.Generator().manual_seed(11)
+    train([plain, cached], 5, gen)
+    plain.to(dtype), cached.to(dtype)
+    assert_same(plain, cached)
+    assert store_rows(store)[1].dtype == dtype
+    assert_store_holds(cached, store)
+    train([plain, cached], 3, gen)
+    assert_same(plain, cached)
+    assert_store_holds(cached, store)

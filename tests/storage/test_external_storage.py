@@ -147,3 +147,17 @@ def test_disk_storage_refuses_a_file_as_path(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(ValueError, match="path="):
         DiskStorage(tmp_path / "f")
+
+
+@pytest.mark.parametrize("kind", ["memory", "disk"])
+def test_shipped_stores_convert_their_rows_to_a_new_dtype(kind, tmp_path):
+    store = InMemoryStorage() if kind == "memory" else DiskStorage(tmp_path)
+    keys = torch.arange(40)
+    store.put(keys, rows_of(keys))
+    store.put(torch.tensor([100]), rows_of(torch.tensor([100]), dtype=torch.float64))
+    rows, found = store.get(torch.tensor([3, 100]))
+    assert found.all() and rows.dtype == torch.float64
+    assert torch.equal(rows, torch.cat([rows_of(torch.tensor([3])).double(), rows_of(torch.tensor([100]), dtype=torch.float64)]))
+    if kind == "disk":
+        assert len(os.listdir(tmp_path)) == 1  # the float32 file was replaced
+        store.close()

@@ -205,12 +205,21 @@ class CachingRowStore:
         }
 
     def to(self, device: torch.device, dtype: torch.dtype) -> CachingRowStore:
-        if dtype != self.dtype:
-            raise ValueError(
-                f"dtype={dtype}: a caching table's rows keep their dtype ({self.dtype}, as its external store holds them); build the table with dtype={dtype}"
-            )
+        if dtype not in ROW_DTYPES:
+            raise ValueError(f"dtype={dtype}: rows must be one of {', '.join(str(d) for d in ROW_DTYPES)}")
         device = resolve_device(device)
         with torch.inference_mode(False):
+            if dtype != self.dtype:
+                # The external store holds the rows too: rewrite them there, a chunk at a time.
+                self.flush()
+                held = (self.row_bound & self.row_stored).nonzero().squeeze(1)
+                for lo in range(0, held.numel(), 1 << 16):
+                    keys = self.row_key.index_select(0, held[lo : lo + (1 << 16)]).cpu()
+                    rows, found = self.external.get(keys)
+                    if not bool(found.all()):
+                        raise RuntimeError(f"external_storage lost the rows of {int((~found).sum())} key(s) it was given (first: {keys[~found][:8].tolist()})")
+                    self.external.put(keys, rows.to(dtype))
+                self.cache, self.dtype = self.cache.to(dtype), dtype
             for name in ("cache", "slot_row", "dirty", "used", "row_slot", "row_key", "row_bound", "row_stored"):
                 setattr(self, name, getattr(self, name).to(device))
         self.device = device

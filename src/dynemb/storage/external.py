@@ -59,8 +59,9 @@ def _check_chunk(chunk_size) -> None:
 
 class _SlotRows:
     """Key -> slot map (a dict) over rows in a [slots, W] tensor with a free list; the row
-    tensor comes from ``allocate(slots, W, dtype)`` and grows by doubling. Width and dtype are
-    fixed by the first ``put``."""
+    tensor comes from ``allocate(slots, W, dtype)`` and grows by doubling. The first ``put``
+    fixes the width; a ``put`` of another dtype converts every row held to it (a caching
+    table's ``.to(dtype)`` rewrites its rows so)."""
 
     def __init__(self, what: str):
         self.what = what
@@ -75,6 +76,12 @@ class _SlotRows:
         """The row tensor with ``slots`` slots, holding the rows of the current one."""
         data = self.allocate(slots, self.data.shape[1], self.data.dtype)
         data[: self.data.shape[0]] = self.data
+        return data
+
+    def converted(self, dtype: torch.dtype) -> torch.Tensor:
+        """The rows held, converted to ``dtype``."""
+        data = self.allocate(self.data.shape[0], self.data.shape[1], dtype)
+        data.copy_(self.data)
         return data
 
     def __len__(self) -> int:
@@ -97,8 +104,10 @@ class _SlotRows:
             return
         if self.data is None:
             self.data = self.allocate(max(16, keys.numel()), rows.shape[1], rows.dtype)
-        elif rows.shape[1] != self.data.shape[1] or rows.dtype != self.data.dtype:
+        elif rows.shape[1] != self.data.shape[1]:
             raise ValueError(f"rows: [N, {rows.shape[1]}] {rows.dtype}; {self.what} holds rows of [{self.data.shape[1]}] {self.data.dtype}")
+        elif rows.dtype != self.data.dtype:
+            self.data = self.converted(rows.dtype)
         slots = []
         for k in keys.tolist():
             s = self.slot_of.get(k)
@@ -144,7 +153,7 @@ class DiskStorage(_SlotRows):
     Rows live in one file (``rows-*.bin``, a new name per store, removed by :meth:`close`);
     the key -> slot map and the free list stay in memory (about 100 bytes of Python objects per
     key). The file is scratch space, like a cache: it is not reopened after a restart (a
-    table's checkpoint is its durable state). Width and dtype are fixed by the first ``put``.
+    table's checkpoint is its durable state). The first ``put`` fixes the width.
 
     Args:
         path: a directory (created if missing).
@@ -157,9 +166,7 @@ class DiskStorage(_SlotRows):
             self.path.mkdir(parents=True, exist_ok=True)
         except (TypeError, OSError) as e:
             raise ValueError(f"path={path!r}: cannot use it as a directory ({e})") from None
-        fd, name = tempfile.mkstemp(prefix="rows-", suffix=".bin", dir=self.path)
-        os.close(fd)
-        self.file = Path(name)
+        self.file = self.new_file()
 
     def allocate(self, slots: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         nbytes = slots * width * torch.empty(0, dtype=dtype).element_size()
@@ -170,6 +177,19 @@ class DiskStorage(_SlotRows):
     def grown(self, slots: int) -> torch.Tensor:
         # Lengthening the file keeps its rows: map it again, nothing to copy.
         return self.allocate(slots, self.data.shape[1], self.data.dtype)
+
+    def converted(self, dtype: torch.dtype) -> torch.Tensor:
+        # Into a new file: the old one is read while the new one is written.
+        old = self.file
+        self.file = self.new_file()
+        data = super().converted(dtype)
+        old.unlink()
+        return data
+
+    def new_file(self) -> Path:
+        fd, name = tempfile.mkstemp(prefix="rows-", suffix=".bin", dir=self.path)
+        os.close(fd)
+        return Path(name)
 
     def close(self) -> None:
         """Drop the mapping and remove the row file (the store is empty afterwards)."""
