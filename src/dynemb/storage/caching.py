@@ -29,7 +29,7 @@ class CachingRowStore:
     in a cache on ``device``.
 
     Per reserved row id it keeps the key (int64), whether a key is bound and whether the
-    external store holds that key's row (17 bytes a row id, on ``device``); per slot the row id,
+    external store holds that key's row (18 bytes a row id, on ``device``); per slot the row id,
     a dirty flag and the clock of its last use. A call first pins the slots it uses (they are
     not taken by its own misses); a miss takes a free slot, else the least recently used one
     (writing it back when dirty). Misses beyond the free and unpinned slots of a call are read
