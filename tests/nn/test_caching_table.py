@@ -275,3 +275,25 @@ def test_dtype_conversion_rewrites_the_store(make_store, dtype):
     train([plain, cached], 3, gen)
     assert_same(plain, cached)
     assert_store_holds(cached, store)
+
+
+def test_delta_checkpoint_of_a_caching_table(make_store, tmp_path):
+    plain, cached, store = pair(make_store)
+    gen = torch.Generator().manual_seed(12)
+    train([plain, cached], 4, gen)
+    dynemb.checkpoint.save(cached, tmp_path / "full")
+    train([plain, cached], 4, gen)
+    cached.erase(torch.arange(0, V, 5))
+    plain.erase(torch.arange(0, V, 5))
+    dynemb.checkpoint.save_delta(cached, tmp_path / "delta", base=tmp_path / "full")
+    # The save flushed: nothing was dirty left for assert_store_holds' own flush to write.
+    assert cached.stats()["cache"]["dirty"] == 0
+    assert_store_holds(cached, store)
+    _, loaded, loaded_store = pair(make_store)
+    dynemb.checkpoint.load(loaded, tmp_path / "delta")
+    assert_same(plain, loaded)
+    assert_store_holds(loaded, loaded_store)
+    # (A delta holds no index layout; nothing is evicted here, so placement does not matter.)
+    train([plain, loaded], 3, gen)
+    assert_same(plain, loaded)
+    assert plain.stats()["evictions"] == 0
