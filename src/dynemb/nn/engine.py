@@ -110,7 +110,7 @@ class Engine:
             raise ValueError(f"store={store!r}: must be a RowStore of width {self.width} and capacity >= {self.index.capacity()}")
         # Row 0 stays addressable: gather reads it for keys not in the table (-1 rows).
         store.reserve(1)
-        self.store = store
+        self.store, self.keyed = store, isinstance(store, KeyedRowStore)
         self.initializers = [RowInitializer(c.initializer, D, c.seed, c.dtype, c.device) for c in configs]
         # Tables whose keys one initialiser call can serve (same initializer and seed).
         by_init: dict[tuple, list[int]] = {}
@@ -164,7 +164,7 @@ class Engine:
             for lo in range(0, n, chunk_rows):
                 ids = torch.arange(lo, min(n, lo + chunk_rows), device=self.device)
                 store.scatter(ids, self.store.gather(ids))
-        self.store, self.given_store = store, True
+        self.store, self.given_store, self.keyed = store, True, isinstance(store, KeyedRowStore)
 
     @property
     def num_tables(self) -> int:
@@ -229,8 +229,7 @@ class Engine:
     def flush(self) -> None:
         """Write rows held in a faster layer back home (caching: dirty cached rows to the external store)."""
         if isinstance(self.store, FlushableStore):
-            with writable():
-                self.store.flush()
+            self.store.flush()
 
     def retire(self, successor) -> None:
         """``successor`` replaces this engine (a load): a caching store's keys it lacks leave the external store."""
@@ -287,7 +286,7 @@ class Engine:
             r = self.index.upsert_unique(sub, counts, now=now, given=scores, **({} if sub_seg is None else {"segments": sub_seg}))
             self.store.reserve(self.index.free_list.high_water)
             evicted = self._leaving(r) if evicted_contents and r.evicted_keys.numel() else None
-            if isinstance(self.store, KeyedRowStore):
+            if self.keyed:
                 new = r.inserted.nonzero().squeeze(1)
                 self.store.release(r.evicted_rows)
                 self.store.bind(r.rows.index_select(0, new), sub.index_select(0, new))
@@ -424,7 +423,7 @@ class Engine:
                 self.changes.left(r.evicted_keys, None if segments is None else r.evicted_segments)
             self.version += 1
             contents = self._leaving(r) if evicted_contents and r.evicted_keys.numel() else None
-            if isinstance(self.store, KeyedRowStore):
+            if self.keyed:
                 self.store.release(r.evicted_rows)
         return r, contents
 
