@@ -21,7 +21,7 @@ from dynemb.config import ROW_DTYPES, resolve_device
 from dynemb.storage.base import KeyedRowStore
 from dynemb.storage.external import ExternalStorage
 from dynemb.table.index import KeyIndex
-from dynemb.workspace import empty
+from dynemb.workspace import empty, poison_
 
 
 class CachingRowStore:
@@ -239,8 +239,9 @@ class CachingRowStore:
 
     def _fetch(self, rows: torch.Tensor) -> torch.Tensor:
         """Whole rows [m, W] of distinct rows [m] not in the cache, read from the external store;
-        rows it does not hold for their key (never written) read as zeros."""
-        values = torch.zeros(rows.numel(), self.width, dtype=self.dtype, device=self.device)
+        rows it does not hold for their key (never written) have undefined content: zeros (NaN
+        when tests poison fresh buffers)."""
+        values = poison_(torch.zeros(rows.numel(), self.width, dtype=self.dtype, device=self.device))
         held = (self.row_bound.index_select(0, rows) & self.row_stored.index_select(0, rows)).nonzero().squeeze(1)
         if held.numel():
             keys = self.row_key.index_select(0, rows.index_select(0, held)).cpu()
