@@ -139,6 +139,17 @@ class TableConfig:
             table's name).
         pooling: how a bag collection pools this table's features, ``sum`` (default, as
             TorchRec) or ``mean`` (the single-table modules take ``mode=`` instead).
+        caching: the table's rows live in ``external_storage`` (every row, by key) behind a
+            write-back cache of ``cache_rows`` rows on ``device``; ``capacity`` bounds the keys
+            the store may hold (the key index stays in memory, as for every table).
+            ``flush()`` writes the dirty cached rows back, a checkpoint save flushes first,
+            ``stats()["cache"]`` has the hit rate (docs/design/0034-caching-external-storage.md).
+        external_storage: the :class:`dynemb.storage.ExternalStorage` of a caching table
+            (``get`` / ``put`` / ``delete`` / ``items``), e.g. ``dynemb.storage.InMemoryStorage()``
+            or ``dynemb.storage.DiskStorage(path)``; required with ``caching=True``, refused
+            without it. A store serves one table.
+        cache_rows: rows of a caching table's cache (default: ``capacity``, every row cached,
+            the store then a write-back copy); only with ``caching=True``.
     """
 
     embedding_dim: int
@@ -158,6 +169,10 @@ class TableConfig:
     name: str | None = None
     feature_names: tuple[str, ...] | list[str] | None = None
     pooling: PoolingMode | str = PoolingMode.SUM
+    caching: bool = False
+    # Compared by identity, left out of the hash: a store is an object, not a value.
+    external_storage: object | None = dataclasses.field(default=None, hash=False)
+    cache_rows: int | None = None
 
     def __post_init__(self):
         _require_int("embedding_dim", self.embedding_dim, 1)
@@ -210,3 +225,19 @@ class TableConfig:
             object.__setattr__(self, "feature_names", tuple(names))
         object.__setattr__(self, "pooling", PoolingMode.parse(self.pooling, "pooling"))
         _require(self.pooling is not PoolingMode.NONE, "pooling", str(self.pooling), "must be 'sum' or 'mean'")
+        _require(isinstance(self.caching, bool), "caching", self.caching, "must be a bool")
+        store = self.external_storage
+        if self.caching:
+            # (The config layer cannot import dynemb.storage's Protocol: checked by its methods.)
+            methods = ("get", "put", "delete", "items")
+            _require(
+                store is not None and all(callable(getattr(store, m, None)) for m in methods),
+                "external_storage",
+                store,
+                "caching=True needs an external store with get, put, delete and items (dynemb.storage.ExternalStorage)",
+            )
+            if self.cache_rows is not None:
+                _require_int("cache_rows", self.cache_rows, 1)
+        else:
+            _require(store is None, "external_storage", store, "needs caching=True (the table's rows are a cache over the store)")
+            _require(self.cache_rows is None, "cache_rows", self.cache_rows, "needs caching=True (the rows cached in front of external_storage)")

@@ -10,6 +10,7 @@ import torch
 from dynemb.checkpoint.tables import Entry
 from dynemb.errors import CheckpointError
 from dynemb.nn.admission import FrequencyAdmission
+from dynemb.storage.caching import bind_held
 from dynemb.table.exact import place_exact, state_from_layout, state_from_slots
 from dynemb.table.index import unique_pairs
 from dynemb.workspace import writable
@@ -48,6 +49,7 @@ def build_engine(sample: Entry, parts: list[tuple[int | None, dict, Entry]], *, 
                 state = None
         if state is not None:
             fresh.store.reserve(keys.numel())
+            bind_held(fresh.store, fresh.index, fresh.num_tables if grouped else None)
             fresh.store.scatter(torch.arange(keys.numel(), device=device), values)
         elif keys.numel():
             # The order resolve wants: by segment, then key.
@@ -97,6 +99,7 @@ def build_engine(sample: Entry, parts: list[tuple[int | None, dict, Entry]], *, 
                 fresh = new_engine()
                 fresh.index.load_state_dict(state_from_slots(fresh.index, keys, slots, scores, geometry, [0, 0, 0, 0], index.segment_buckets.tolist()))
                 fresh.store.reserve(keys.numel())
+                bind_held(fresh.store, fresh.index, fresh.num_tables if grouped else None)
                 if src.numel() == values.shape[0]:
                     fresh.store.scatter(torch.empty_like(src).index_copy_(0, src, torch.arange(src.numel(), device=device)), values)
                 else:

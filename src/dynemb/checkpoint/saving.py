@@ -184,6 +184,9 @@ def _save(model, path, *, delta_of: tuple[Path, dict] | None, chunk_rows: int, o
         layout = False  # a rank's slots mean nothing at another world size
     try:
         with locked(es):
+            # A caching table's external store then holds every row the checkpoint holds.
+            for engine in {id(e.engine): e.engine for e in es}.values():
+                engine.flush()
             problem = None
             try:
                 if delta_of is not None:

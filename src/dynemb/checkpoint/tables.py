@@ -203,7 +203,10 @@ def config_json(config: TableConfig) -> dict:
             return list(v)
         return v
 
-    return {f.name: value(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    out = {f.name: value(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    # A caching table's store is an object: the manifest names its type.
+    out["external_storage"] = None if config.external_storage is None else type(config.external_storage).__name__
+    return out
 
 
 def optimizer_json(optimizer) -> dict | None:

@@ -186,6 +186,14 @@ class ShardedEngine:
     def to(self, device: torch.device, dtype: torch.dtype) -> None:
         self.local.to(device, dtype)
 
+    def flush(self) -> None:
+        """Write this rank's cached rows back (not collective: each rank has its own store)."""
+        self.local.flush()
+
+    def retire(self, successor: ShardedEngine) -> None:
+        """``successor`` replaces this engine (a load): see :meth:`Engine.retire` (not collective)."""
+        self.local.retire(successor.local)
+
     def rebuilt(self, local) -> ShardedEngine:
         """This sharded engine (same Comm and id) over another local engine (a checkpoint load
         builds a fresh one)."""

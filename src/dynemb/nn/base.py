@@ -180,3 +180,10 @@ class EngineContract(Protocol):
 
     def to(self, device: torch.device, dtype: torch.dtype) -> None:
         """Move index and rows to ``device`` and rows to ``dtype``."""
+
+    def flush(self) -> None:
+        """Write rows held in a faster layer back to their home (a caching table's dirty cached
+        rows to its external store); nothing for other stores."""
+
+    def retire(self, successor) -> None:
+        """``successor`` (an engine of the same tables, built by a load) replaces this one."""

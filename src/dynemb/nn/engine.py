@@ -27,7 +27,8 @@ from dynemb.nn.base import Resolved
 from dynemb.nn.changes import ChangeLog
 from dynemb.nn.functional import device_memory, leaving_contents, screen_update, with_initial_state
 from dynemb.optim.base import RowOptimizer
-from dynemb.storage.base import RowStore
+from dynemb.storage.base import FlushableStore, KeyedRowStore, RowStore
+from dynemb.storage.caching import CachingRowStore, caching_problem
 from dynemb.storage.device_store import DeviceRowStore
 from dynemb.storage.initializers import RowInitializer
 from dynemb.table.index import KeyIndex, index_bytes, rounded_capacity
@@ -38,7 +39,9 @@ from dynemb.workspace import writable
 def group_key(config: TableConfig) -> tuple:
     """Tables with equal keys share an engine (and so one index call and one update per batch)."""
     c = config
-    return (c.embedding_dim, c.dtype, str(c.device), c.bucket_capacity, c.score_strategy, c.nonfinite_grads)
+    # A caching table's store is keyed by its keys alone: tables sharing one would collide.
+    caching = id(c.external_storage) if c.caching else None
+    return (c.embedding_dim, c.dtype, str(c.device), c.bucket_capacity, c.score_strategy, c.nonfinite_grads, caching)
 
 
 def _select(t: torch.Tensor | None, sel: torch.Tensor) -> torch.Tensor | None:
@@ -53,9 +56,9 @@ class Engine:
             take no segments) or the list of a group's tables (equal :func:`group_key`; table i
             is segment i of the index, a list of one included).
         optimizer: shared fused optimizer, or ``None`` (frozen tables: rows hold embeddings only).
-        store: where rows live (default: a :class:`DeviceRowStore` on the tables' device); any
-            :class:`dynemb.storage.base.RowStore` of width D + S and at least the index's
-            capacity in rows.
+        store: where rows live (default: a :class:`DeviceRowStore` on the tables' device, a
+            :class:`CachingRowStore` when ``caching``); any :class:`dynemb.storage.base.RowStore`
+            of width D + S and at least the index's capacity in rows.
     """
 
     collective = False
@@ -67,6 +70,8 @@ class Engine:
         first = configs[0]
         if any(group_key(c) != group_key(first) for c in configs):
             raise ValueError("configs: a group's tables must share embedding_dim, dtype, device, bucket_capacity, score_strategy, nonfinite_grads")
+        if first.caching and (len(configs) > 1 or store is not None):
+            raise ValueError(caching_problem(configs, store))
         self.configs = configs
         self.optimizer = optimizer
         self.embedding_dim = D = first.embedding_dim
@@ -80,7 +85,9 @@ class Engine:
             W = first.bucket_capacity
             slots = sum(-(-c.capacity // W) * W for c in configs)
             what = f"capacity of tables {[c.name for c in configs]}: full tables need"
-        full_bytes = index_bytes(slots) + slots * self.width * elsize
+        # A caching table holds only its cache's rows in memory.
+        self.cache_rows = min(first.cache_rows or first.capacity, slots) if first.caching else None
+        full_bytes = index_bytes(slots) + (self.cache_rows or slots) * self.width * elsize
         total = device_memory(first.device)
         if total is not None and full_bytes > total:
             raise ValueError(
@@ -90,7 +97,11 @@ class Engine:
         self.given_store = store is not None
         try:
             self.index = self._new_index()
-            if store is None:
+            if first.caching:
+                store = CachingRowStore(
+                    self.width, self.index.capacity(), first.external_storage, cache_rows=self.cache_rows, dtype=self.dtype, device=self.device
+                )
+            elif store is None:
                 init_rows = self.index.current_capacity()
                 store = DeviceRowStore(self.width, self.index.capacity(), dtype=first.dtype, device=first.device, init_rows=init_rows)
         except RuntimeError as e:
@@ -99,7 +110,7 @@ class Engine:
             raise ValueError(f"store={store!r}: must be a RowStore of width {self.width} and capacity >= {self.index.capacity()}")
         # Row 0 stays addressable: gather reads it for keys not in the table (-1 rows).
         store.reserve(1)
-        self.store = store
+        self.store, self.keyed = store, isinstance(store, KeyedRowStore)
         self.initializers = [RowInitializer(c.initializer, D, c.seed, c.dtype, c.device) for c in configs]
         # Tables whose keys one initialiser call can serve (same initializer and seed).
         by_init: dict[tuple, list[int]] = {}
@@ -153,7 +164,7 @@ class Engine:
             for lo in range(0, n, chunk_rows):
                 ids = torch.arange(lo, min(n, lo + chunk_rows), device=self.device)
                 store.scatter(ids, self.store.gather(ids))
-        self.store, self.given_store = store, True
+        self.store, self.given_store, self.keyed = store, True, isinstance(store, KeyedRowStore)
 
     @property
     def num_tables(self) -> int:
@@ -215,6 +226,16 @@ class Engine:
     def _leaving(self, result) -> dict[str, torch.Tensor]:
         return leaving_contents(self.store, self.embedding_dim, result)
 
+    def flush(self) -> None:
+        """Write rows held in a faster layer back home (caching: dirty cached rows to the external store)."""
+        if isinstance(self.store, FlushableStore):
+            self.store.flush()
+
+    def retire(self, successor) -> None:
+        """``successor`` replaces this engine (a load): a caching store's keys it lacks leave the external store."""
+        if isinstance(self.store, CachingRowStore):
+            self.store.retire(successor.store, lambda keys: successor.find(keys, torch.zeros_like(keys) if successor.segmented else None)[1])
+
     def resolve(
         self,
         keys: torch.Tensor,
@@ -265,6 +286,10 @@ class Engine:
             r = self.index.upsert_unique(sub, counts, now=now, given=scores, **({} if sub_seg is None else {"segments": sub_seg}))
             self.store.reserve(self.index.free_list.high_water)
             evicted = self._leaving(r) if evicted_contents and r.evicted_keys.numel() else None
+            if self.keyed:
+                new = r.inserted.nonzero().squeeze(1)
+                self.store.release(r.evicted_rows)
+                self.store.bind(r.rows.index_select(0, new), sub.index_select(0, new))
             if init_rows and bool(r.inserted.any()):
                 new = r.inserted.nonzero().squeeze(1)
                 self.store.scatter(r.rows.index_select(0, new), self.new_rows(sub.index_select(0, new), _select(sub_seg, new)))
@@ -397,7 +422,10 @@ class Engine:
             if self.changes is not None:
                 self.changes.left(r.evicted_keys, None if segments is None else r.evicted_segments)
             self.version += 1
-        return r, (self._leaving(r) if evicted_contents and r.evicted_keys.numel() else None)
+            contents = self._leaving(r) if evicted_contents and r.evicted_keys.numel() else None
+            if self.keyed:
+                self.store.release(r.evicted_rows)
+        return r, contents
 
     def export(self, segment: int = 0, chunk_size: int = 1 << 16) -> Iterator[dict[str, torch.Tensor]]:
         """One table's keys with their rows, in chunks: ``keys`` [K], ``embeddings`` [K, D],
@@ -410,10 +438,9 @@ class Engine:
 
     def table_stats(self, segment: int = 0) -> dict[str, int | float]:
         """One table's index figures (see :meth:`dynemb.table.index.KeyIndex.stats` /
-        ``segment_stats``)."""
-        if not self.segmented:
-            return self.index.stats()
-        return self.index.segment_stats()[segment]
+        ``segment_stats``) and, caching, ``cache`` (:meth:`CachingRowStore.cache_stats`)."""
+        figures = self.index.stats() if not self.segmented else self.index.segment_stats()[segment]
+        return {**figures, "cache": self.store.cache_stats()} if isinstance(self.store, CachingRowStore) else figures
 
     def size(self) -> int:
         """Keys held by every table together."""

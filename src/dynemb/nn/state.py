@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from dynemb.nn.functional import warn_nonfinite
+from dynemb.storage.caching import bind_held
 from dynemb.table.index import unique_pairs
 from dynemb.workspace import writable
 
@@ -216,6 +217,7 @@ def rebuilt_engine(engine, parts: list[dict], index_state: dict[str, torch.Tenso
                 exact, fresh = False, engine.fresh(share_store=True)
         if exact:
             fresh.store.reserve(fresh.index.free_list.high_water)
+            bind_held(fresh.store, fresh.index, fresh.num_tables if fresh.segmented else None)
             fresh.store.scatter(rows, values)
         else:
             if fresh.segmented:

@@ -439,9 +439,15 @@ class DynamicTables(torch.nn.Module):
         if self.admissions[t] is not None:
             self.admissions[t] = admission
 
+    def flush(self) -> None:
+        """Caching tables: write every dirty cached row back to the external store (checkpoint saves flush first)."""
+        with self._lock:
+            for engine in self.engines:
+                engine.flush()
+
     def install_engine(self, group: int, engine) -> None:
-        """Swap in engine ``group`` (a load built it on the side); its pending gradient,
-        computed against the old rows, is dropped."""
+        """Swap in engine ``group`` (a load built it on the side); its pending gradient, computed against the old rows, is dropped."""
+        self.engines[group].retire(engine)
         self.engines[group] = engine
         if self._pending is not None:
             self._pending[group].clear()

@@ -36,3 +36,25 @@ class RowStore(Protocol):
 
     def nbytes(self) -> int:
         """Bytes of row memory held now."""
+
+
+@runtime_checkable
+class KeyedRowStore(Protocol):
+    """Optional extension of a RowStore that needs each row's key (a caching store writes rows
+    back to an external store by key). The engine calls it whenever a row id changes hands."""
+
+    def bind(self, rows: torch.Tensor, keys: torch.Tensor) -> None:
+        """Rows (Tensor[int64]: [n], distinct) were just given to keys (Tensor[int64]: [n]);
+        their content is undefined until written."""
+
+    def release(self, rows: torch.Tensor) -> None:
+        """Rows (Tensor[int64]: [n], distinct) lost their keys (evicted or erased), after the
+        caller read what it needed of them."""
+
+
+@runtime_checkable
+class FlushableStore(Protocol):
+    """Optional extension of a RowStore that holds rows in a faster layer than their home."""
+
+    def flush(self) -> None:
+        """Write every row changed in the faster layer back to its home."""

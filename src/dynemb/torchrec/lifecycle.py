@@ -97,6 +97,12 @@ class TorchRecTables:
     def is_built(self) -> bool:
         return "collection" in dict(self.named_children())
 
+    def flush(self) -> None:
+        """Caching tables (``options`` with ``caching=True``): write the dirty cached rows back to
+        their external stores; nothing for other tables, nor before the tables are built."""
+        if self.is_built():
+            self.collection.flush()
+
     def forward_collection(self) -> DynamicTables | None:
         """The collection a forward reads, its optimizer settled when training: ``None`` for a
         module without tables, or still on meta (the lookup then answers meta inputs only)."""
