@@ -1,7 +1,7 @@
 """A table larger than memory's share (issue 18): 1.5 M rows of dim 64 live in a disk tier behind a
 2^15-row device tier; the table trains until it holds them all and checkpoints, while the
-process's anonymous memory (RssAnon: heap and anonymous maps, not the tier file's page cache)
-grows by less than 30% of the rows' bytes. Measured in a fresh process, from a baseline taken
+process's anonymous memory (RssAnon after ``malloc_trim``: heap and anonymous maps in use, not
+the tier file's page cache) grows by less than 30% of the rows' bytes. Measured in a fresh process, from a baseline taken
 after torch's first training steps (its one-time memory is not the table's).
 
     python tests/storage/test_tier_memory.py measure ROOT    # prints the figures as JSON
@@ -9,6 +9,7 @@ after torch's first training steps (its one-time memory is not the table's).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import subprocess
 import sys
@@ -19,7 +20,9 @@ PER_STEP = 1 << 15  # new keys a step
 
 
 def rss_anon() -> int:
-    """Bytes of anonymous resident memory of this process (Linux /proc)."""
+    """Bytes of anonymous resident memory of this process (Linux /proc), after glibc hands its
+    freed heap back (``malloc_trim``): memory in use, not the allocator's spare pages."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("RssAnon:"):
             return int(line.split()[1]) * 1024
