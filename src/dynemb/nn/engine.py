@@ -22,12 +22,13 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from dynemb.config import TableConfig
+from dynemb.config import TableConfig, tier_layout
 from dynemb.nn.base import Resolved
 from dynemb.nn.changes import ChangeLog
 from dynemb.nn.functional import device_memory, leaving_contents, screen_update, with_initial_state
+from dynemb.nn.tiering import check_tier_memory, tiered_store, touch_resolved
 from dynemb.optim.base import RowOptimizer
-from dynemb.storage.base import RowStore
+from dynemb.storage.base import RowStore, TierStats, Touchable
 from dynemb.storage.device_store import DeviceRowStore
 from dynemb.storage.initializers import RowInitializer
 from dynemb.table.index import KeyIndex, index_bytes, rounded_capacity
@@ -38,7 +39,7 @@ from dynemb.workspace import writable
 def group_key(config: TableConfig) -> tuple:
     """Tables with equal keys share an engine (and so one index call and one update per batch)."""
     c = config
-    return (c.embedding_dim, c.dtype, str(c.device), c.bucket_capacity, c.score_strategy, c.nonfinite_grads)
+    return (c.embedding_dim, c.dtype, str(c.device), c.bucket_capacity, c.score_strategy, c.nonfinite_grads, tier_layout(c.tiers))
 
 
 def _select(t: torch.Tensor | None, sel: torch.Tensor) -> torch.Tensor | None:
@@ -66,7 +67,9 @@ class Engine:
         configs = list(configs) if self.segmented else [configs]
         first = configs[0]
         if any(group_key(c) != group_key(first) for c in configs):
-            raise ValueError("configs: a group's tables must share embedding_dim, dtype, device, bucket_capacity, score_strategy, nonfinite_grads")
+            raise ValueError(
+                "configs: a group's tables must share embedding_dim, dtype, device, bucket_capacity, score_strategy, nonfinite_grads, tier kinds and paths"
+            )
         self.configs = configs
         self.optimizer = optimizer
         self.embedding_dim = D = first.embedding_dim
@@ -82,7 +85,9 @@ class Engine:
             what = f"capacity of tables {[c.name for c in configs]}: full tables need"
         full_bytes = index_bytes(slots) + slots * self.width * elsize
         total = device_memory(first.device)
-        if total is not None and full_bytes > total:
+        if first.tiers is not None:
+            check_tier_memory(configs, slots, self.width, index_bytes(slots))
+        elif total is not None and full_bytes > total:
             raise ValueError(
                 f"{what} {full_bytes:,} bytes (index and rows of {self.width} x {first.dtype} columns), more than the {total:,} bytes of memory on {first.device}"
             )
@@ -92,7 +97,9 @@ class Engine:
             self.index = self._new_index()
             if store is None:
                 init_rows = self.index.current_capacity()
-                store = DeviceRowStore(self.width, self.index.capacity(), dtype=first.dtype, device=first.device, init_rows=init_rows)
+                store = tiered_store(configs, self.width, self.index.capacity(), init_rows) or DeviceRowStore(
+                    self.width, self.index.capacity(), dtype=first.dtype, device=first.device, init_rows=init_rows
+                )
         except RuntimeError as e:
             raise ValueError(f"{what} {full_bytes:,} bytes; allocating them failed: {e}") from None
         if not isinstance(store, RowStore) or store.width != self.width or store.capacity < self.index.capacity():
@@ -100,6 +107,8 @@ class Engine:
         # Row 0 stays addressable: gather reads it for keys not in the table (-1 rows).
         store.reserve(1)
         self.store = store
+        # A tiered store places rows by the scores of the rows each call uses.
+        self.tiered = isinstance(store, Touchable)
         self.initializers = [RowInitializer(c.initializer, D, c.seed, c.dtype, c.device) for c in configs]
         # Tables whose keys one initialiser call can serve (same initializer and seed).
         by_init: dict[tuple, list[int]] = {}
@@ -154,6 +163,7 @@ class Engine:
                 ids = torch.arange(lo, min(n, lo + chunk_rows), device=self.device)
                 store.scatter(ids, self.store.gather(ids))
         self.store, self.given_store = store, True
+        self.tiered = isinstance(store, Touchable)
 
     @property
     def num_tables(self) -> int:
@@ -248,6 +258,9 @@ class Engine:
         seg_kw = {} if segments is None else {"segments": segments}
         if not train:
             rows, found = self.index.find(keys, **seg_kw)
+            if self.tiered:
+                with writable():
+                    touch_resolved(self.index, self.store, keys, rows, segments)
             no_seg = None if segments is None else empty
             return Resolved(keys, rows, found, torch.zeros_like(found), empty, None, empty, segments, no_seg, no_seg)
         with writable():
@@ -265,6 +278,9 @@ class Engine:
             r = self.index.upsert_unique(sub, counts, now=now, given=scores, **({} if sub_seg is None else {"segments": sub_seg}))
             self.store.reserve(self.index.free_list.high_water)
             evicted = self._leaving(r) if evicted_contents and r.evicted_keys.numel() else None
+            if self.tiered:
+                # Before the new rows are written: they land in the tier they move to.
+                touch_resolved(self.index, self.store, sub, r.rows, sub_seg)
             if init_rows and bool(r.inserted.any()):
                 new = r.inserted.nonzero().squeeze(1)
                 self.store.scatter(r.rows.index_select(0, new), self.new_rows(sub.index_select(0, new), _select(sub_seg, new)))
@@ -410,10 +426,10 @@ class Engine:
 
     def table_stats(self, segment: int = 0) -> dict[str, int | float]:
         """One table's index figures (see :meth:`dynemb.table.index.KeyIndex.stats` /
-        ``segment_stats``)."""
-        if not self.segmented:
-            return self.index.stats()
-        return self.index.segment_stats()[segment]
+        ``segment_stats``) and, with tiers, ``tiers`` (the store's :meth:`tier_stats`)."""
+        figures = self.index.stats() if not self.segmented else self.index.segment_stats()[segment]
+        # A group's tiers are the group's: every table of it shows the same list.
+        return {**figures, "tiers": self.store.tier_stats()} if isinstance(self.store, TierStats) else figures
 
     def size(self) -> int:
         """Keys held by every table together."""
