@@ -6,6 +6,8 @@ N ids per batch, V distinct keys, D embedding dim, B bags.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -239,3 +241,43 @@ def test_tier_stats_count_hits_misses_and_moves(tmp_path):
     table(keys_of(torch.arange(V)))
     after = table.stats()["tiers"]
     assert after[0]["hits"] + after[1]["hits"] == resolved + len(table)
+
+
+def test_dtype_move_and_deepcopy_keep_one_table(tmp_path):
+    def make(tiered):
+        kw = {"tiers": tiers(tmp_path)} if tiered else {"capacity": CAPACITY}
+        return dynemb.DynamicEmbedding(D, optimizer=dynemb.optim.RowWiseAdagrad(lr=0.1), score_strategy="step", **kw)
+
+    ref, tiered = train_pair(make, sequence_step)
+    ref_copy, tiered_copy = copy.deepcopy(ref), copy.deepcopy(tiered)
+    for a, b in [(ref, tiered), (ref_copy, tiered_copy)]:
+        a.to(torch.float64)
+        b.to(torch.float64)
+        for ids in batches(5, steps=4):
+            assert torch.equal(sequence_step(a, ids.clone()), sequence_step(b, ids.clone()))
+        assert_same_rows(a, b)
+        assert b.stats()["tiers"][1]["bytes"] == b.stats()["tiers"][1]["rows"] * b.store.width * 8
+    # The copy has its own rows (its own disk file): training the original does not change it.
+    before = rows_of(tiered_copy)
+    for ids in batches(9, steps=2):
+        sequence_step(tiered, ids)
+    after = rows_of(tiered_copy)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not all(torch.equal(before[k], v) for k, v in rows_of(tiered).items() if k in before)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+def test_cuda_device_and_host_tiers_train_bitwise_like_one_tier(opt):
+    def make(tiered):
+        kw = {"tiers": [Tier("device", DEVICE_ROWS), Tier("host", CAPACITY - DEVICE_ROWS)]} if tiered else {"capacity": CAPACITY}
+        return dynemb.DynamicEmbeddingBag(D, optimizer=OPTIMIZERS[opt](), score_strategy="lfu", device="cuda", **kw)
+
+    def step(table, ids):
+        return pooled_step(table, ids.cuda()).cpu()
+
+    ref, tiered = train_pair(make, step)
+    assert_same_rows(ref, tiered)
+    moved([*tiered.stats()["tiers"][:1], {**tiered.stats()["tiers"][1], "kind": "disk"}])
+    assert tiered.store.stores[1].data.is_pinned()
