@@ -235,7 +235,7 @@ def test_tier_stats_count_hits_misses_and_moves(tmp_path):
     assert device["promotions"] == device["demotions"] > 0
     assert device["rows"] == DEVICE_ROWS and disk["rows"] == len(table) - DEVICE_ROWS
     assert disk["bytes"] == disk["rows"] * table.store.width * 4
-    assert device["placement_bytes"] == 24 * DEVICE_ROWS
+    assert device["placement_bytes"] == 16 * DEVICE_ROWS
     # Eval lookups count too (and never insert).
     table.eval()
     table(keys_of(torch.arange(V)))

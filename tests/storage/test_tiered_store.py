@@ -26,8 +26,8 @@ W = 6
 def check_placement(store: TieredRowStore) -> None:
     """Every reserved row id has one slot, slots map back to it, each tier's slots are a prefix."""
     n = store.reserved
-    slots = store.slot_of[:n]
-    assert torch.equal(store.row_of.index_select(0, slots), torch.arange(n))
+    slots = store.slot_of[:n].long()
+    assert torch.equal(store.row_of.index_select(0, slots).long(), torch.arange(n))
     assert slots.unique().numel() == n
     per_tier = torch.bincount(store.tier_of(slots), minlength=len(store.stores)).tolist()
     assert per_tier == store.used
@@ -86,7 +86,7 @@ def test_touch_promotes_hotter_rows_only(tmp_path):
     store.touch(torch.tensor([0, 1]), torch.tensor([10, 20]))
     store.touch(torch.tensor([2, 3, 4]), torch.tensor([5, 15, 30]))
     # 4 (30) and 3 (15) are hotter than the device's coldest 0 (10); 3 is not hotter than 1 (20).
-    assert store.tier_of(store.slot_of[:6]).tolist() == [1, 0, 1, 1, 0, 1]
+    assert store.tier_of(store.slot_of[:6].long()).tolist() == [1, 0, 1, 1, 0, 1]
     assert store.counts["promotions"] == [1, 0] and store.counts["hits"] == [2, 3] and store.counts["misses"] == [3, 0]
     assert torch.equal(store.gather(torch.arange(6))[:, 0], torch.arange(6.0))
     # Equal scores never swap (no thrashing between tiers).

@@ -14,7 +14,7 @@ import torch
 
 from dynemb.config import TableConfig, Tier
 from dynemb.nn.functional import device_memory
-from dynemb.storage.tiered import PLACEMENT_BYTES, TieredRowStore
+from dynemb.storage.tiered import TieredRowStore, placement_bytes
 
 
 def group_tiers(configs: list[TableConfig]) -> list[Tier] | None:
@@ -36,7 +36,7 @@ def check_tier_memory(configs: list[TableConfig], slots: int, width: int, index_
     row_bytes = width * torch.empty(0, dtype=first.dtype).element_size()
     device = first.device
     # (what, bytes needed, medium, bytes it has or None if unknown)
-    need = {str(device): [index_bytes + PLACEMENT_BYTES * slots, None]}
+    need = {str(device): [index_bytes + placement_bytes(slots) * slots, None]}
     budgets = []
     for tier, n in zip(tiers, rows):
         if tier.kind == "disk":
@@ -50,7 +50,7 @@ def check_tier_memory(configs: list[TableConfig], slots: int, width: int, index_
     for medium, entry in need.items():
         entry[1] = device_memory(torch.device("cpu") if medium == "host memory" else device)
     lines = [f"{what} x {width} {first.dtype} columns: {size:,} bytes on {medium}" for what, size, medium, _ in budgets]
-    lines.append(f"index and placement of {slots:,} rows: {index_bytes + PLACEMENT_BYTES * slots:,} bytes on {device}")
+    lines.append(f"index and placement of {slots:,} rows: {index_bytes + placement_bytes(slots) * slots:,} bytes on {device}")
     short = [f"{medium} needs {n:,} bytes, has {have:,}" for medium, (n, have) in need.items() if have is not None and n > have]
     short += [f"{medium} needs {size:,} bytes, has {have:,} free" for _, size, medium, have in budgets if have is not None and size > have]
     if short:

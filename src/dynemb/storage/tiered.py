@@ -5,8 +5,8 @@ W = D + S row width.
 
 Every row id has one slot in one tier. The placement lives in memory on the table's device:
 ``slot_of`` [C] (row id -> global slot), ``row_of`` [L] and ``score_of`` [L] (slot -> row id and
-the row's last score): 24 bytes per row. Global slots are the tiers' slots laid end to end,
-fastest tier first. docs/design/0032-tiers.md.
+the row's last score): 16 bytes per row (int32 ids below 2^31 rows, else 24). Global slots are
+the tiers' slots laid end to end, fastest tier first. docs/design/0032-tiers.md.
 """
 
 from __future__ import annotations
@@ -21,8 +21,16 @@ from dynemb.storage.device_store import DeviceRowStore
 from dynemb.storage.disk import DiskRowStore
 
 INT64_MIN = -(2**63)
-# Placement bytes per row: slot_of, row_of and score_of, int64 each.
-PLACEMENT_BYTES = 24
+
+
+def id_dtype(capacity: int) -> torch.dtype:
+    """dtype of the placement's row ids and slots: int32 while they fit."""
+    return torch.int32 if capacity < 2**31 else torch.int64
+
+
+def placement_bytes(capacity: int) -> int:
+    """Bytes per row of the placement maps: slot_of, row_of (ids) and score_of (int64)."""
+    return 2 * torch.empty(0, dtype=id_dtype(capacity)).element_size() + 8
 
 
 class TieredRowStore:
@@ -74,8 +82,9 @@ class TieredRowStore:
         self.reserved = 0
         self.counts = {name: [0] * len(rows) for name in ("hits", "misses", "promotions", "demotions")}
         with torch.inference_mode(False):
-            self.slot_of = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
-            self.row_of = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
+            ids = id_dtype(capacity)
+            self.slot_of = torch.full((capacity,), -1, dtype=ids, device=self.device)
+            self.row_of = torch.full((capacity,), -1, dtype=ids, device=self.device)
             self.score_of = torch.full((capacity,), INT64_MIN, dtype=torch.int64, device=self.device)
         self._bounds = torch.tensor(self.starts[1:], dtype=torch.int64, device=self.device)
 
@@ -148,7 +157,7 @@ class TieredRowStore:
             low, high = (int(v) for v in torch.aminmax(rows))
             if low < 0 or high >= self.reserved:
                 raise IndexError(f"rows: ids must lie in [0, {self.reserved}) (reserved rows), got [{low}, {high}]")
-        return self.slot_of.index_select(0, rows)
+        return self.slot_of.index_select(0, rows).long()
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         return self._read(self._slots(rows))
@@ -178,7 +187,7 @@ class TieredRowStore:
                 self.counts["misses"][t] += sum(per_tier[t + 1 :])
             for t in range(len(self.stores) - 1):
                 self._promote_into(t, slots, scores)
-                slots = self.slot_of.index_select(0, rows)
+                slots = self.slot_of.index_select(0, rows).long()
 
     def _promote_into(self, t: int, slots: torch.Tensor, scores: torch.Tensor) -> None:
         """Swap the hottest used rows below tier t with tier t's coldest rows, where hotter."""
@@ -207,7 +216,8 @@ class TieredRowStore:
         sa, sb = self.score_of.index_select(0, a), self.score_of.index_select(0, b)
         self.row_of.index_copy_(0, a, rb).index_copy_(0, b, ra)
         self.score_of.index_copy_(0, a, sb).index_copy_(0, b, sa)
-        self.slot_of.index_copy_(0, ra, b).index_copy_(0, rb, a)
+        ids = self.slot_of.dtype
+        self.slot_of.index_copy_(0, ra.long(), b.to(ids)).index_copy_(0, rb.long(), a.to(ids))
 
     def to(self, device: torch.device, dtype: torch.dtype) -> TieredRowStore:
         device = resolve_device(device)
@@ -233,7 +243,7 @@ class TieredRowStore:
         """One dict per tier, fastest first: kind, rows (row ids placed there), capacity, hits and
         misses (used rows found in / below this tier), promotions (rows moved up into it),
         demotions (rows moved down out of it), bytes (of its rows) and placement_bytes (the
-        in-memory row -> slot maps of its slots, 24 per row)."""
+        in-memory row -> slot maps of its slots, :func:`placement_bytes` per row)."""
         return [
             {
                 "kind": kind,
@@ -241,7 +251,7 @@ class TieredRowStore:
                 "capacity": self.sizes[t],
                 **{name: c[t] for name, c in self.counts.items()},
                 "bytes": self.stores[t].nbytes(),
-                "placement_bytes": PLACEMENT_BYTES * self.sizes[t],
+                "placement_bytes": placement_bytes(self.capacity) * self.sizes[t],
             }
             for t, kind in enumerate(self.kinds)
         ]
