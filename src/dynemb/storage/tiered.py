@@ -116,10 +116,9 @@ class TieredRowStore:
                 take = min(n - self.reserved, self.sizes[t] - self.used[t])
                 if take <= 0:
                     continue
-                ids = torch.arange(self.reserved, self.reserved + take, device=self.device)
-                slots = ids - self.reserved + self.starts[t] + self.used[t]
-                self.slot_of[self.reserved : self.reserved + take] = slots
-                self.row_of[slots[0] : slots[0] + take] = ids
+                first = self.starts[t] + self.used[t]
+                self.slot_of[self.reserved : self.reserved + take] = torch.arange(first, first + take, device=self.device)
+                self.row_of[first : first + take] = torch.arange(self.reserved, self.reserved + take, device=self.device)
                 self.used[t] += take
                 self.reserved += take
                 store.reserve(self.used[t])
