@@ -25,6 +25,7 @@ PUBLIC = {
     "PoolingMode",
     "ScoreStrategy",
     "TableConfig",
+    "Tier",
     "checkpoint",
     "clip_grad_norm_",
     "optim",

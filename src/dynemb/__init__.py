@@ -2,7 +2,7 @@
 
 from dynemb import checkpoint, optim
 from dynemb._version import __version__ as __version__
-from dynemb.config import Admission, Initializer, TableConfig
+from dynemb.config import Admission, Initializer, TableConfig, Tier
 from dynemb.errors import CheckpointError, InsertionError
 from dynemb.nn import (
     DynamicEmbedding,
@@ -34,6 +34,7 @@ __all__ = [
     "PoolingMode",
     "ScoreStrategy",
     "TableConfig",
+    "Tier",
     "checkpoint",
     "clip_grad_norm_",
     "optim",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import torch
 
@@ -104,13 +105,77 @@ class Admission:
         _require_int("admission.counter_capacity", self.counter_capacity, 1)
 
 
+# Tier kinds, fastest first: a table's tiers are listed in this order.
+TIER_KINDS = ("device", "host", "disk")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tier:
+    """One memory tier of a table's rows (docs/design/0032-tiers.md).
+
+    Args:
+        kind: ``"device"`` (the table's device), ``"host"`` (CPU memory, pinned when the table
+            is on CUDA; the same medium as ``device`` on a CPU table) or ``"disk"`` (a scratch
+            file under ``path``).
+        rows: rows this tier holds.
+        path: the directory of a disk tier's scratch file (required for ``disk``, else None).
+    """
+
+    kind: str
+    rows: int
+    path: str | None = None
+
+    def __post_init__(self):
+        _require(self.kind in TIER_KINDS, "Tier.kind", self.kind, f"must be one of {', '.join(TIER_KINDS)}")
+        _require_int("Tier.rows", self.rows, 1)
+        if self.kind == "disk":
+            _require(isinstance(self.path, (str, os.PathLike)) and str(self.path) != "", "Tier.path", self.path, "a disk tier needs the directory of its file")
+            object.__setattr__(self, "path", os.fspath(self.path))
+        else:
+            _require(self.path is None, "Tier.path", self.path, f"only a disk tier takes a path, not a {self.kind} tier")
+
+
+def _check_tiers(tiers) -> tuple[Tier, ...]:
+    _require(
+        isinstance(tiers, (list, tuple)) and len(tiers) > 0 and all(isinstance(t, Tier) for t in tiers),
+        "tiers",
+        tiers,
+        "must be a non-empty list of dynemb.Tier",
+    )
+    kinds = [TIER_KINDS.index(t.kind) for t in tiers]
+    _require(
+        kinds == sorted(kinds) and len(set(kinds)) == len(kinds),
+        "tiers",
+        [t.kind for t in tiers],
+        "one tier per kind, fastest first (device, host, disk)",
+    )
+    return tuple(tiers)
+
+
+def tier_layout(tiers: tuple[Tier, ...] | None) -> tuple | None:
+    """What tables must share to pool their tiers in one store: kinds and paths (rows add up)."""
+    return None if tiers is None else tuple((t.kind, t.path) for t in tiers)
+
+
+def local_share(config: TableConfig, world_size: int) -> TableConfig:
+    """One rank's share of a table sharded over ``world_size`` ranks: capacity (and each tier's
+    rows) divided by the world size, at least one row each."""
+    if config.tiers is None:
+        capacity, tiers = max(1, config.capacity // world_size), None
+    else:
+        tiers = tuple(dataclasses.replace(t, rows=max(1, t.rows // world_size)) for t in config.tiers)
+        capacity = sum(t.rows for t in tiers)
+    init = None if config.init_capacity is None else min(config.init_capacity, capacity)
+    return dataclasses.replace(config, capacity=capacity, init_capacity=init, tiers=tiers)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TableConfig:
     """Everything that defines one dynamic table (one rank's shard of it).
 
     Args:
         embedding_dim: D, columns of an embedding.
-        capacity: most rows the table holds; rounded up to whole buckets so that the table can
+        capacity: most rows the table holds (may be omitted with ``tiers``: their rows summed); rounded up to whole buckets so that the table can
             double from its initial size, never to more than twice the value given
             (``stats()["capacity"]`` is the real figure).
         init_capacity: rows at creation (default: ``capacity``); the table doubles when its load
@@ -150,10 +215,14 @@ class TableConfig:
             without it. A store serves one table.
         cache_rows: rows of a caching table's cache (default: ``capacity``, every row cached,
             the store then a write-back copy); only with ``caching=True``.
+        tiers: where the rows live, fastest first: a list of :class:`dynemb.Tier` (device,
+            host, disk) whose rows sum to ``capacity``; new rows take the fastest tier with
+            room, rows move between tiers by score (docs/design/0032-tiers.md). Default: every
+            row in one tensor on ``device``.
     """
 
     embedding_dim: int
-    capacity: int
+    capacity: int | None = None
     init_capacity: int | None = None
     bucket_capacity: int = 16
     max_load_factor: float = 0.85
@@ -173,9 +242,17 @@ class TableConfig:
     # Compared by identity, left out of the hash: a store is an object, not a value.
     external_storage: object | None = dataclasses.field(default=None, hash=False)
     cache_rows: int | None = None
+    tiers: tuple[Tier, ...] | list[Tier] | None = None
 
     def __post_init__(self):
         _require_int("embedding_dim", self.embedding_dim, 1)
+        if self.tiers is not None:
+            object.__setattr__(self, "tiers", _check_tiers(self.tiers))
+            rows = sum(t.rows for t in self.tiers)
+            if self.capacity is None:
+                object.__setattr__(self, "capacity", rows)
+            _require(self.capacity == rows, "capacity", self.capacity, f"must equal the tiers' rows summed ({rows}) or be omitted")
+        _require(self.capacity is not None, "capacity", None, "is required unless tiers are given")
         _require_int("capacity", self.capacity, 1)
         _require_int("bucket_capacity", self.bucket_capacity, 1)
         if self.init_capacity is not None:
@@ -238,6 +315,12 @@ class TableConfig:
             )
             if self.cache_rows is not None:
                 _require_int("cache_rows", self.cache_rows, 1)
+            _require(
+                self.tiers is None,
+                "tiers",
+                self.tiers,
+                "caching=True keeps its cache in one device tier of cache_rows rows; tiers under a cache are not supported yet",
+            )
         else:
             _require(store is None, "external_storage", store, "needs caching=True (the table's rows are a cache over the store)")
             _require(self.cache_rows is None, "cache_rows", self.cache_rows, "needs caching=True (the rows cached in front of external_storage)")

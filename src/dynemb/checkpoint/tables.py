@@ -200,7 +200,7 @@ def config_json(config: TableConfig) -> dict:
         if dataclasses.is_dataclass(v):
             return {f.name: value(getattr(v, f.name)) for f in dataclasses.fields(v)}
         if isinstance(v, tuple):
-            return list(v)
+            return [value(x) for x in v]
         return v
 
     out = {f.name: value(getattr(config, f.name)) for f in dataclasses.fields(config)}

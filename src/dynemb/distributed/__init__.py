@@ -29,11 +29,11 @@ further collective raises until the model is restored from a checkpoint (docs/de
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 
 import torch
 
+from dynemb.config import local_share
 from dynemb.distributed.comm import Comm, ShardingError, owner_of
 from dynemb.distributed.engine import ShardedEngine
 
@@ -41,10 +41,8 @@ __all__ = ["ShardingError", "is_sharded", "owner_of", "shard"]
 
 
 def _local_config(config, world_size: int):
-    """The config of one rank's shard: capacity divided by the world size."""
-    capacity = max(1, config.capacity // world_size)
-    init = None if config.init_capacity is None else min(config.init_capacity, capacity)
-    return dataclasses.replace(config, capacity=capacity, init_capacity=init)
+    """The config of one rank's shard: capacity (and each tier's rows) divided by the world size."""
+    return local_share(config, world_size)
 
 
 def is_sharded(module: torch.nn.Module) -> bool:

@@ -202,7 +202,9 @@ class _DynamicCollection(DynamicTables):
     def stats(self) -> dict[str, dict[str, int | float]]:
         """Per table name: size, capacity, requested_capacity, current_capacity, load_factor,
         inserts, evictions, erased, failed_inserts, admission_rejections, nonfinite_grads, step,
-        optimizer_step, pending_grad_keys, scratch_bytes."""
+        optimizer_step, pending_grad_keys, scratch_bytes; with tiers, ``tiers`` (one dict per
+        tier of the table's group: a group's tables share one tiered store, so they show the
+        group's figures; docs/design/0032-tiers.md)."""
         with self._lock:
             return {name: self._table_stats(t) for t, name in enumerate(self.table_names)}
 

@@ -28,7 +28,7 @@ class DynamicEmbedding(DynamicTable):
 
     Args:
         embedding_dim: D.
-        capacity: most keys held on this device.
+        capacity: most keys held on this device (may be omitted with ``tiers=``: their rows summed).
         optimizer: row-wise optimizer (``dynemb.optim.SGD / Adagrad / RowWiseAdagrad / Adam``);
             ``None`` for a frozen table.
         update: ``"fused"`` (default: backward applies the optimizer) or ``"deferred"``
@@ -36,7 +36,7 @@ class DynamicEmbedding(DynamicTable):
             ``optimizer.zero_grad()`` drops it), see :class:`dynemb.types.UpdateMode`.
         **options: any other :class:`dynemb.TableConfig` field (``init_capacity``,
             ``score_strategy``, ``check_mode``, ``initializer``, ``admission``, ``eval_default``,
-            ``seed``, ``bucket_capacity``, ``max_load_factor``, ``dtype``, ``device``).
+            ``seed``, ``bucket_capacity``, ``max_load_factor``, ``dtype``, ``device``, ``tiers``).
 
     Example::
 
@@ -49,7 +49,7 @@ class DynamicEmbedding(DynamicTable):
     def __init__(
         self,
         embedding_dim: int,
-        capacity: int,
+        capacity: int | None = None,
         *,
         optimizer: RowOptimizer | None = None,
         store=None,
@@ -79,7 +79,7 @@ class DynamicEmbeddingBag(DynamicTable):
     def __init__(
         self,
         embedding_dim: int,
-        capacity: int,
+        capacity: int | None = None,
         *,
         mode: PoolingMode | str = PoolingMode.MEAN,
         include_last_offset: bool = False,

@@ -25,23 +25,15 @@ import torch
 from dynemb.config import TableConfig
 from dynemb.nn.base import Resolved
 from dynemb.nn.changes import ChangeLog
-from dynemb.nn.functional import device_memory, leaving_contents, screen_update, with_initial_state
+from dynemb.nn.functional import leaving_contents, screen_update, with_initial_state
+from dynemb.nn.tiering import check_memory, default_store, group_key, touch_resolved
 from dynemb.optim.base import RowOptimizer
-from dynemb.storage.base import FlushableStore, KeyedRowStore, RowStore
+from dynemb.storage.base import FlushableStore, KeyedRowStore, RowStore, TierStats, Touchable
 from dynemb.storage.caching import CachingRowStore, caching_problem
-from dynemb.storage.device_store import DeviceRowStore
 from dynemb.storage.initializers import RowInitializer
-from dynemb.table.index import KeyIndex, index_bytes, rounded_capacity
+from dynemb.table.index import KeyIndex, rounded_capacity
 from dynemb.types import NonFiniteGrads
 from dynemb.workspace import writable
-
-
-def group_key(config: TableConfig) -> tuple:
-    """Tables with equal keys share an engine (and so one index call and one update per batch)."""
-    c = config
-    # A caching table's store is keyed by its keys alone: tables sharing one would collide.
-    caching = id(c.external_storage) if c.caching else None
-    return (c.embedding_dim, c.dtype, str(c.device), c.bucket_capacity, c.score_strategy, c.nonfinite_grads, caching)
 
 
 def _select(t: torch.Tensor | None, sel: torch.Tensor) -> torch.Tensor | None:
@@ -69,7 +61,9 @@ class Engine:
         configs = list(configs) if self.segmented else [configs]
         first = configs[0]
         if any(group_key(c) != group_key(first) for c in configs):
-            raise ValueError("configs: a group's tables must share embedding_dim, dtype, device, bucket_capacity, score_strategy, nonfinite_grads")
+            raise ValueError(
+                "configs: a group's tables must share embedding_dim, dtype, device, bucket_capacity, score_strategy, nonfinite_grads, tier kinds and paths"
+            )
         if first.caching and (len(configs) > 1 or store is not None):
             raise ValueError(caching_problem(configs, store))
         self.configs = configs
@@ -77,7 +71,6 @@ class Engine:
         self.embedding_dim = D = first.embedding_dim
         self.state_dim = optimizer.state_dim(D) if optimizer is not None else 0
         self.width = D + self.state_dim
-        elsize = torch.empty(0, dtype=first.dtype).element_size()
         if not self.segmented:
             slots = rounded_capacity(first.capacity, first.init_capacity, first.bucket_capacity)
             what = f"capacity={first.capacity}: a full table needs"
@@ -87,23 +80,13 @@ class Engine:
             what = f"capacity of tables {[c.name for c in configs]}: full tables need"
         # A caching table holds only its cache's rows in memory.
         self.cache_rows = min(first.cache_rows or first.capacity, slots) if first.caching else None
-        full_bytes = index_bytes(slots) + (self.cache_rows or slots) * self.width * elsize
-        total = device_memory(first.device)
-        if total is not None and full_bytes > total:
-            raise ValueError(
-                f"{what} {full_bytes:,} bytes (index and rows of {self.width} x {first.dtype} columns), more than the {total:,} bytes of memory on {first.device}"
-            )
+        full_bytes = check_memory(configs, slots, self.width, what, self.cache_rows)
         # A store the caller gave (a DynamicTable's ``store=``) is kept by a load (:meth:`fresh`).
         self.given_store = store is not None
         try:
             self.index = self._new_index()
-            if first.caching:
-                store = CachingRowStore(
-                    self.width, self.index.capacity(), first.external_storage, cache_rows=self.cache_rows, dtype=self.dtype, device=self.device
-                )
-            elif store is None:
-                init_rows = self.index.current_capacity()
-                store = DeviceRowStore(self.width, self.index.capacity(), dtype=first.dtype, device=first.device, init_rows=init_rows)
+            if store is None:
+                store = default_store(configs, self.width, self.index.capacity(), self.index.current_capacity(), self.cache_rows)
         except RuntimeError as e:
             raise ValueError(f"{what} {full_bytes:,} bytes; allocating them failed: {e}") from None
         if not isinstance(store, RowStore) or store.width != self.width or store.capacity < self.index.capacity():
@@ -111,6 +94,8 @@ class Engine:
         # Row 0 stays addressable: gather reads it for keys not in the table (-1 rows).
         store.reserve(1)
         self.store, self.keyed = store, isinstance(store, KeyedRowStore)
+        # A tiered store places rows by the scores of the rows each call uses.
+        self.tiered = isinstance(store, Touchable)
         self.initializers = [RowInitializer(c.initializer, D, c.seed, c.dtype, c.device) for c in configs]
         # Tables whose keys one initialiser call can serve (same initializer and seed).
         by_init: dict[tuple, list[int]] = {}
@@ -165,6 +150,7 @@ class Engine:
                 ids = torch.arange(lo, min(n, lo + chunk_rows), device=self.device)
                 store.scatter(ids, self.store.gather(ids))
         self.store, self.given_store, self.keyed = store, True, isinstance(store, KeyedRowStore)
+        self.tiered = isinstance(store, Touchable)
 
     @property
     def num_tables(self) -> int:
@@ -269,6 +255,9 @@ class Engine:
         seg_kw = {} if segments is None else {"segments": segments}
         if not train:
             rows, found = self.index.find(keys, **seg_kw)
+            if self.tiered:
+                with writable():
+                    touch_resolved(self.index, self.store, keys, rows, segments)
             no_seg = None if segments is None else empty
             return Resolved(keys, rows, found, torch.zeros_like(found), empty, None, empty, segments, no_seg, no_seg)
         with writable():
@@ -290,6 +279,9 @@ class Engine:
                 new = r.inserted.nonzero().squeeze(1)
                 self.store.release(r.evicted_rows)
                 self.store.bind(r.rows.index_select(0, new), sub.index_select(0, new))
+            if self.tiered:
+                # Before the new rows are written: they land in the tier they move to.
+                touch_resolved(self.index, self.store, sub, r.rows, sub_seg)
             if init_rows and bool(r.inserted.any()):
                 new = r.inserted.nonzero().squeeze(1)
                 self.store.scatter(r.rows.index_select(0, new), self.new_rows(sub.index_select(0, new), _select(sub_seg, new)))
@@ -438,9 +430,15 @@ class Engine:
 
     def table_stats(self, segment: int = 0) -> dict[str, int | float]:
         """One table's index figures (see :meth:`dynemb.table.index.KeyIndex.stats` /
-        ``segment_stats``) and, caching, ``cache`` (:meth:`CachingRowStore.cache_stats`)."""
+        ``segment_stats``), with tiers ``tiers`` (the store's :meth:`tier_stats`; a group's tiers
+        are the group's: every table of it shows the same list) and, caching, ``cache``
+        (:meth:`CachingRowStore.cache_stats`)."""
         figures = self.index.stats() if not self.segmented else self.index.segment_stats()[segment]
-        return {**figures, "cache": self.store.cache_stats()} if isinstance(self.store, CachingRowStore) else figures
+        if isinstance(self.store, TierStats):
+            figures = {**figures, "tiers": self.store.tier_stats()}
+        if isinstance(self.store, CachingRowStore):
+            figures = {**figures, "cache": self.store.cache_stats()}
+        return figures
 
     def size(self) -> int:
         """Keys held by every table together."""

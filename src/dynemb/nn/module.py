@@ -257,7 +257,9 @@ class DynamicTable(DynamicTables):
         """size, capacity (real, after rounding), requested_capacity, current_capacity,
         load_factor, inserts, evictions, erased, failed_inserts, admission_rejections, growths,
         nonfinite_grads, step, optimizer_step, pending_grad_keys (deferred: keys whose gradient
-        waits for ``optimizer.step()``), scratch_bytes."""
+        waits for ``optimizer.step()``), scratch_bytes; with tiers, ``tiers``: one dict per tier
+        (kind, rows, capacity, hits, misses, promotions, demotions, bytes, placement_bytes;
+        docs/design/0032-tiers.md)."""
         return self._table_stats(0)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):

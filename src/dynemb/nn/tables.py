@@ -230,11 +230,12 @@ class DynamicTables(torch.nn.Module):
             if engine.collective:
                 where = " of this rank's shard; the keys were refused by the shards that own them, which count them in their stats()"
             figures = engine.table_stats(s)
+            tiers = "".join(f", {x['kind']} tier {x['rows']} of {x['capacity']} rows" for x in figures.get("tiers", ()))
             table = f"table {self.table_names[t]!r}: " if self.segmented else ""
             message = (
                 f"{table}{failed.numel()} of {total} keys could not be inserted: both their buckets hold only keys used in this batch "
                 f"or scored higher (score_strategy='{self.table_configs[t].score_strategy}', size={figures['size']}, "
-                f"capacity={figures['capacity']}{where}). Increase its capacity, or set check_mode='warn' or 'count' to continue; "
+                f"capacity={figures['capacity']}{tiers}{where}). Increase its capacity, or set check_mode='warn' or 'count' to continue; "
                 "failed keys get their initial value and are not trained."
             )
             if self.table_configs[t].check_mode is CheckMode.RAISE:

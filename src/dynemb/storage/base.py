@@ -3,7 +3,8 @@
 n rows in a call, D embedding columns, S optimizer state columns, C capacity in rows.
 
 A store does not know keys, and does not hand out row ids: the key index owns them. A table
-accepts any object that satisfies :class:`RowStore`, so host or disk tiers can plug in.
+accepts any object that satisfies :class:`RowStore`, so host or disk tiers can plug in; the
+optional extensions below are detected with isinstance.
 """
 
 from __future__ import annotations
@@ -58,3 +59,20 @@ class FlushableStore(Protocol):
 
     def flush(self) -> None:
         """Write every row changed in the faster layer back to its home."""
+
+
+@runtime_checkable
+class Touchable(Protocol):
+    """A store that places rows by heat (tiers): the engine tells it the scores of rows used."""
+
+    def touch(self, rows: torch.Tensor, scores: torch.Tensor) -> None:
+        """The index's scores (Tensor[int64]: [n]) of distinct rows [n] just resolved."""
+
+
+@runtime_checkable
+class TierStats(Protocol):
+    """A store with tiers: ``stats()["tiers"]`` shows its figures."""
+
+    def tier_stats(self) -> list[dict]:
+        """One dict per tier, fastest first: kind, rows, capacity, hits, misses, promotions,
+        demotions, bytes."""

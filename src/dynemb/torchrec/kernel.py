@@ -17,7 +17,7 @@ from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizerModule
 from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from dynemb.config import TableConfig
+from dynemb.config import TableConfig, local_share
 from dynemb.nn import DynamicEmbeddingBagCollection, DynamicEmbeddingCollection
 from dynemb.optim import RowOptimizer
 from dynemb.torchrec.modules import EmbeddingBagCollection, EmbeddingCollection
@@ -46,12 +46,10 @@ class TablesSpec:
         self.device = device
 
     def local_config(self, table: str, pooled: bool) -> TableConfig:
-        """One rank's table: ``capacity // W`` rows; bags pool by sum (TorchRec divides MEAN
-        bags after the reduce-scatter); on the DMP's device."""
-        config = self.tables[table]
-        capacity = max(1, config.capacity // self.world_size)
-        init = None if config.init_capacity is None else min(config.init_capacity, capacity)
-        fields: dict[str, Any] = {"capacity": capacity, "init_capacity": init}
+        """One rank's table: ``capacity // W`` rows (each tier's rows // W); bags pool by sum
+        (TorchRec divides MEAN bags after the reduce-scatter); on the DMP's device."""
+        config = local_share(self.tables[table], self.world_size)
+        fields: dict[str, Any] = {}
         if pooled:
             fields["pooling"] = PoolingMode.SUM
         if self.device is not None and self.device.type != "meta":
