@@ -14,6 +14,7 @@ import torch
 import dynemb
 from dynemb import TableConfig, Tier
 from dynemb.hashing import mix64
+from dynemb.storage import InMemoryStorage
 
 V, D, B, STEPS, CAPACITY, DEVICE_ROWS = 120, 8, 6, 12, 256, 16
 
@@ -281,3 +282,8 @@ def test_cuda_device_and_host_tiers_train_bitwise_like_one_tier(opt):
     assert_same_rows(ref, tiered)
     moved([*tiered.stats()["tiers"][:1], {**tiered.stats()["tiers"][1], "kind": "disk"}])
     assert tiered.store.stores[1].data.is_pinned()
+
+
+def test_caching_over_tiers_is_refused_naming_tiers():
+    with pytest.raises(ValueError, match="tiers.*not supported yet"):
+        TableConfig(embedding_dim=4, caching=True, external_storage=InMemoryStorage(), tiers=[Tier("device", rows=8), Tier("host", rows=8)])
