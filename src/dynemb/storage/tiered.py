@@ -4,8 +4,9 @@ n rows in a call, T tiers, C row ids (capacity), L slots of all tiers together (
 W = D + S row width.
 
 Every row id has one slot in one tier. The placement lives in memory on the table's device:
-``slot_of`` [C] (row id -> global slot), ``row_of`` [L] and ``score_of`` [L] (slot -> row id and
-the row's last score): 16 bytes per row (int32 ids below 2^31 rows, else 24). Global slots are
+``slot_of`` [C] (row id -> global slot), ``row_of`` [L] (slot -> row id) and ``score_of`` (the
+row's last score, for the slots of every tier but the last, whose rows never have to make room):
+8 bytes per row of the last tier and 16 above it with int32 ids (below 2^31 rows; else 16 and 24). Global slots are
 the tiers' slots laid end to end, fastest tier first. docs/design/0032-tiers.md.
 """
 
@@ -85,7 +86,8 @@ class TieredRowStore:
             ids = id_dtype(capacity)
             self.slot_of = torch.full((capacity,), -1, dtype=ids, device=self.device)
             self.row_of = torch.full((capacity,), -1, dtype=ids, device=self.device)
-            self.score_of = torch.full((capacity,), INT64_MIN, dtype=torch.int64, device=self.device)
+            # Scores only where a colder row may have to leave: every tier but the last.
+            self.score_of = torch.full((self.starts[-1],), INT64_MIN, dtype=torch.int64, device=self.device)
         self._bounds = torch.tensor(self.starts[1:], dtype=torch.int64, device=self.device)
 
     def _tier_store(self, tier: Tier, rows: int, init_rows: int | None) -> RowStore:
@@ -175,11 +177,12 @@ class TieredRowStore:
         if rows.numel() == 0:
             return
         with torch.inference_mode(False):
-            slots = self._slots(rows)
-            self.score_of.index_copy_(0, slots, scores)
             if len(self.stores) == 1:
                 self.counts["hits"][0] += rows.numel()
                 return
+            slots = self._slots(rows)
+            scored = (slots < self.starts[-1]).nonzero().squeeze(1)
+            self.score_of.index_copy_(0, slots.index_select(0, scored), scores.index_select(0, scored))
             per_tier = torch.bincount(self.tier_of(slots), minlength=len(self.stores)).tolist()
             for t, n in enumerate(per_tier):
                 self.counts["hits"][t] += n
@@ -202,19 +205,22 @@ class TieredRowStore:
         m = int((up_scores > cold_scores).sum())
         if m == 0:
             return
-        self._swap(up[:m], cold[:m] + start)
+        self._swap(up[:m], cold[:m] + start, up_scores[:m])
         self.counts["promotions"][t] += m
         self.counts["demotions"][t] += m
 
-    def _swap(self, a: torch.Tensor, b: torch.Tensor) -> None:
-        """Exchange the rows in global slots a [m] and b [m] (distinct): values, ids and scores."""
+    def _swap(self, a: torch.Tensor, b: torch.Tensor, score_a: torch.Tensor) -> None:
+        """Exchange the rows in global slots a [m] (below) and b [m] (a scored tier), distinct:
+        values, ids and scores (``score_a``: the rows of a's, just used)."""
         va, vb = self._read(a), self._read(b)
         self._write(a, vb)
         self._write(b, va)
         ra, rb = self.row_of.index_select(0, a), self.row_of.index_select(0, b)
-        sa, sb = self.score_of.index_select(0, a), self.score_of.index_select(0, b)
+        sb = self.score_of.index_select(0, b)
         self.row_of.index_copy_(0, a, rb).index_copy_(0, b, ra)
-        self.score_of.index_copy_(0, a, sb).index_copy_(0, b, sa)
+        self.score_of.index_copy_(0, b, score_a)
+        scored = (a < self.starts[-1]).nonzero().squeeze(1)
+        self.score_of.index_copy_(0, a.index_select(0, scored), sb.index_select(0, scored))
         ids = self.slot_of.dtype
         self.slot_of.index_copy_(0, ra.long(), b.to(ids)).index_copy_(0, rb.long(), a.to(ids))
 
@@ -250,7 +256,7 @@ class TieredRowStore:
                 "capacity": self.sizes[t],
                 **{name: c[t] for name, c in self.counts.items()},
                 "bytes": self.stores[t].nbytes(),
-                "placement_bytes": placement_bytes(self.capacity) * self.sizes[t],
+                "placement_bytes": (placement_bytes(self.capacity) - (8 if t == len(self.sizes) - 1 else 0)) * self.sizes[t],
             }
             for t, kind in enumerate(self.kinds)
         ]
