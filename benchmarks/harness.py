@@ -224,13 +224,15 @@ def _fmt(x: float) -> str:
 
 
 def summary_rows(records: Sequence[dict]) -> list[list[str]]:
-    """Table rows: workload, case, contender, unit, median, min, max, ratio (median [min, max])."""
+    """Table rows: workload, case, contender, unit, median, min, max, ratio (median [min, max]);
+    a record's further ratios (``extra["ratios"]`` besides its ``ratio``) follow in the same cell."""
     rows = []
     for r in records:
         if r.get("unit") == "s/step":
             continue
         ratio = r.get("ratio")
-        ratio_s = f"{ratio['median']:.2f} [{ratio['min']:.2f}, {ratio['max']:.2f}] vs {ratio['vs']}" if ratio else ""
+        more = [x for vs, x in r.get("extra", {}).get("ratios", {}).items() if ratio and vs != ratio["vs"]]
+        ratio_s = "; ".join(f"{x['median']:.2f} [{x['min']:.2f}, {x['max']:.2f}] vs {x['vs']}" for x in ([ratio] if ratio else []) + more)
         rows.append(
             [
                 r["workload"],

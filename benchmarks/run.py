@@ -4,7 +4,8 @@
     python benchmarks/run.py --quick             # smoke run (< 1 min)
     python benchmarks/run.py --workload W1 --steps 10 --repeats 3
 
-W1  train step, Zipf(1.05) int64 ids, D=128: dynemb vs torch.nn.Embedding(sparse=True), steps/s.
+W1  train step, Zipf(1.05) int64 ids, D=128: dynemb vs torch.nn.Embedding(sparse=True), and vs the
+    floor (a static tensor on the same remapped ids with a hand-fused update), steps/s.
 W1-evict  the same with the dynemb table at 1/4 of the stream's keys: full, evicting every step.
 W2  KeyIndex find / find_or_insert at load 0.5 and 0.9 vs a Python dict (and a sorted array), keys/s.
 W3  train step of 26 Criteo-like features, batch 4,096, row-wise Adagrad: DynamicEmbeddingBagCollection
@@ -207,7 +208,9 @@ def _w1_lines(workload: str, records: list[dict]) -> list[str]:
                 f"{e['new_keys_per_step']:.0f} new keys per step{timed}; "
                 f"table after them: size {s['size']}, load factor {s['load_factor']:.3f}, inserts {s['inserts']}, "
                 f"evictions {s['evictions']}, failed inserts {s['failed_inserts']}; "
-                f"parity max abs diff {e['parity_max_abs_diff']:.1e}."
+                f"parity max abs diff {e['parity_max_abs_diff']:.1e}"
+                + (f", floor vs reference {e['floor_parity_max_abs_diff']:.1e}" if "floor_parity_max_abs_diff" in e else "")
+                + "."
             )
     prof = [r for r in records if r["workload"] == f"{workload}-profile"]
     if prof:
