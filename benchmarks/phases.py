@@ -118,7 +118,8 @@ def instrument(table: torch.nn.Module, timer: PhaseTimer) -> list[str]:
     timed, absent = set(), {}
     for owner, attr, name in _PHASES:
         obj = owners[owner]
-        if obj is not None and hasattr(obj, attr):
+        # A property (e.g. the engine's ``initializer`` since the one-engine work) cannot be wrapped.
+        if obj is not None and hasattr(obj, attr) and not isinstance(getattr(type(obj), attr, None), property):
             timer.wrap(obj, attr, name)
             timed.add(name)
         else:
