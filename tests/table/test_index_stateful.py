@@ -264,7 +264,12 @@ class IndexMachine(RuleBasedStateMachine):
         twin.load_state_dict(state)
         for name, value in twin.state_dict().items():
             assert torch.equal(value, state[name]), name
-        assert layout(twin) == layout(self.index) and twin.stats() == self.index.stats()
+        # A load stores scores as int32 again when the state's fit, though the saved index had
+        # widened them (docs/design/0035): its memory figures may be smaller; the rest is equal.
+        memory = ("index_bytes", "index_bytes_per_key")
+        ours, theirs = twin.stats(), self.index.stats()
+        assert all(ours[m] <= theirs[m] for m in memory)
+        assert layout(twin) == layout(self.index) and {k: v for k, v in ours.items() if k not in memory} == {k: v for k, v in theirs.items() if k not in memory}
         self.index = twin
 
     @invariant()

@@ -14,8 +14,16 @@ import torch
 
 from dynemb.hashing import candidate_buckets
 
-# Bytes per slot of the index tensors: key, row id and score (int64 each), used and lock flags.
-_BYTES_PER_SLOT = 8 + 8 + 8 + 1 + 1
+# Row ids are int32 while every row id of the index fits (capacity <= 2**31), else int64.
+ROW_ID_LIMIT = 1 << 31
+# Scores are stored as int32 until one does not fit; then the index widens them to int64.
+SCORE_MIN, SCORE_MAX = -(1 << 31), (1 << 31) - 1
+
+
+def row_dtype(capacity: int) -> torch.dtype:
+    """Dtype of the stored row ids of an index of ``capacity`` slots (its row ids lie in
+    ``[0, capacity)``)."""
+    return torch.int32 if capacity <= ROW_ID_LIMIT else torch.int64
 
 
 def bucket_width(capacity: int, bucket_capacity: int) -> int:
@@ -50,10 +58,17 @@ def rounded_capacity(capacity: int, init_capacity: int | None, bucket_capacity: 
     return plan_buckets(capacity, init_capacity, bucket_capacity)[1] * bucket_width(capacity, bucket_capacity)
 
 
-def index_bytes(num_slots: int) -> int:
-    """Bytes the index tensors take for ``num_slots`` slots (the free list adds at most 8 bytes
-    per released row id)."""
-    return _BYTES_PER_SLOT * num_slots
+def bytes_per_slot(capacity: int, wide_scores: bool = False) -> int:
+    """Bytes of one slot of an index of ``capacity`` slots: key (int64), row id (int32 below
+    2**31 slots, else int64), score (int32, int64 once widened) and the used flag. See
+    docs/design/0035-index-memory.md."""
+    return 8 + row_dtype(capacity).itemsize + (8 if wide_scores else 4) + 1
+
+
+def index_bytes(num_slots: int, capacity: int | None = None, wide_scores: bool = False) -> int:
+    """Bytes the index tensors take for ``num_slots`` slots of an index of ``capacity`` slots
+    at most (default ``num_slots``); the free list adds at most 8 bytes per released row id."""
+    return bytes_per_slot(num_slots if capacity is None else capacity, wide_scores) * num_slots
 
 
 def is_doubling_of(buckets: int, initial: int, maximum: int) -> bool:

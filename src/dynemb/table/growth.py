@@ -97,7 +97,7 @@ class Growth:
             src = torch.cat([kept, moved.index_select(0, order)])
             pos = torch.cat([used.index_select(0, kept) + shift, bucket * W + rank])
         at = used.index_select(0, src)
-        new_keys, new_used, new_rows, new_scores, _ = tables
+        new_keys, new_used, new_rows, new_scores = tables
         for table, out in ((self._keys, new_keys), (self._rows, new_rows), (self._scores, new_scores)):
             out.view(-1).scatter_(0, pos, table.view(-1).index_select(0, at))
         new_used.view(-1).index_fill_(0, pos, True)

@@ -2,7 +2,9 @@
 
 N keys in a call, U unique keys, K keys held, S segments, B buckets, W slots per bucket.
 
-Layout: four [B, W] tensors (key, used flag, row id, score). Two-choice hashing: a key may live
+Layout: four [B, W] tensors (key int64, used flag, row id int32 below 2**31 slots, score int32
+until a score does not fit, then int64): 17 bytes a slot, 20 a key at the default maximum load
+factor 0.85 (docs/design/0035). Every method takes and returns int64. Two-choice hashing: a key may live
 at any slot of either of its two candidate buckets; lookups compare it against those 2W slots
 at once. Placement of new keys (free slots, cuckoo moves, eviction) is in
 :mod:`dynemb.table.placement`, growth in :mod:`dynemb.table.growth`, the state in
@@ -24,7 +26,7 @@ import torch
 from dynemb.config import resolve_device
 from dynemb.table.base import IndexResult
 from dynemb.table.free_list import FreeList
-from dynemb.table.geometry import Segments, bucket_width, index_bytes, plan_buckets, rounded_capacity
+from dynemb.table.geometry import SCORE_MAX, SCORE_MIN, Segments, bucket_width, bytes_per_slot, index_bytes, plan_buckets, rounded_capacity, row_dtype
 from dynemb.table.growth import Growth
 from dynemb.table.keys import INT64_MIN, check_keys, check_now, check_segments, unique_pairs
 from dynemb.table.placement import GIVE_UP, MOVE_DEPTH, BatchPlacement
@@ -141,6 +143,9 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
         self._erased = 0
         self._segment_stats = torch.zeros(len(SEGMENT_COUNTERS), self.num_segments, dtype=torch.int64, device=self.device) if self.segmented else None
         self._workspace = Workspace(self.device)
+        self._row_dtype = row_dtype(self.capacity())
+        # Widened to int64 (for good) by the first score outside int32: see _fit_scores.
+        self._score_dtype = torch.int32
         slots = self.current_capacity()
         try:
             self._set_tables(self._new_tables(self.num_buckets))
@@ -150,31 +155,52 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
             else:
                 name, value = ("capacity", capacity) if init_capacity is None else ("init_capacity", init_capacity)
             raise ValueError(
-                f"{name}={value}: the index needs {index_bytes(slots):,} bytes for its {slots:,} initial slots "
+                f"{name}={value}: the index needs {index_bytes(slots, self.capacity()):,} bytes for its {slots:,} initial slots "
                 f"on {self.device} and could not allocate them ({str(error).splitlines()[0]})"
             ) from None
         self._recount_segment_sizes()
         self.free_list = FreeList(self.capacity(), self.device)
 
     def _new_tables(self, num_buckets: int) -> tuple[torch.Tensor, ...]:
-        """Fresh (keys, used, rows, scores) [B, W] and lock [B * W], all slots empty."""
+        """Fresh (keys, used, rows, scores) [B, W], all slots empty, in the stored dtypes."""
         shape = (num_buckets, self.bucket_capacity)
         # Kept across calls: never inference tensors, even when created under inference mode.
         with torch.inference_mode(False):
             return (
                 torch.zeros(shape, dtype=torch.int64, device=self.device),
                 torch.zeros(shape, dtype=torch.bool, device=self.device),
-                torch.full(shape, -1, dtype=torch.int64, device=self.device),
-                torch.zeros(shape, dtype=torch.int64, device=self.device),
-                # Slots locked by the batch being placed; set and cleared within a call.
-                torch.zeros(num_buckets * self.bucket_capacity, dtype=torch.bool, device=self.device),
+                torch.full(shape, -1, dtype=self._row_dtype, device=self.device),
+                torch.zeros(shape, dtype=self._score_dtype, device=self.device),
             )
 
     def _set_tables(self, tables: tuple[torch.Tensor, ...]) -> None:
-        self._keys, self._used, self._rows, self._scores, self._lock = tables
+        self._keys, self._used, self._rows, self._scores = tables
         self.num_buckets = self._keys.shape[0]
         with torch.inference_mode(False):
             self._slot_ids = torch.arange(self.bucket_capacity, device=self.device)
+
+    def _fit_scores(self, values: torch.Tensor) -> None:
+        """Widen the stored scores to int64 (for good) if some of ``values`` ([n] int64, scores
+        about to be stored) lie outside int32; call before any score of a call is written."""
+        if self._scores.dtype is torch.int64 or values.numel() == 0:
+            return
+        low, high = torch.aminmax(values)
+        if int(low) < SCORE_MIN or int(high) > SCORE_MAX:
+            with torch.inference_mode(False):
+                self._score_dtype = torch.int64
+                self._scores = self._scores.to(torch.int64)
+
+    def _rows_at(self, pos: torch.Tensor) -> torch.Tensor:
+        """Row ids at flat slots ``pos`` ([n], each >= 0) as int64."""
+        return self._rows.view(-1).index_select(0, pos).to(torch.int64)
+
+    def _scores_at(self, pos: torch.Tensor) -> torch.Tensor:
+        """Scores at flat slots ``pos`` ([n], each >= 0) as int64."""
+        return self._scores.view(-1).index_select(0, pos).to(torch.int64)
+
+    def index_bytes_per_slot(self) -> int:
+        """Bytes one slot of this index takes now (its row id and score dtypes)."""
+        return bytes_per_slot(self.capacity(), self._scores.dtype is torch.int64)
 
     def _recount_segment_sizes(self) -> None:
         """Keys held per segment ([S] int64), kept up to date by _count, for growth with several segments."""
@@ -276,14 +302,14 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
         """
         flat = self._check_keys(keys)
         pos, found = self._locate(flat, self._check_segments(segments, flat.numel()))
-        rows = torch.where(found, self._rows.view(-1).index_select(0, pos.clamp(min=0)), -1)
+        rows = torch.where(found, self._rows_at(pos.clamp(min=0)), -1)
         return rows.view(keys.shape), found.view(keys.shape)
 
     def scores(self, keys: torch.Tensor, *, segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores of keys ([*] int64, 0 where absent) and whether found ([*] bool); no side effects."""
         flat = self._check_keys(keys)
         pos, found = self._locate(flat, self._check_segments(segments, flat.numel()))
-        scores = torch.where(found, self._scores.view(-1).index_select(0, pos.clamp(min=0)), 0)
+        scores = torch.where(found, self._scores_at(pos.clamp(min=0)), 0)
         return scores.view(keys.shape), found.view(keys.shape)
 
     def _batch_scores(self, counts: torch.Tensor, now: int | None, given: torch.Tensor | None) -> torch.Tensor:
@@ -406,8 +432,8 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
             pos, found = self._locate(unique, None if seg is None else useg)
             hit = pos[found]
             erased = unique[found]
-            erased_rows = self._rows.view(-1).index_select(0, hit)
-            erased_scores = self._scores.view(-1).index_select(0, hit)
+            erased_rows = self._rows_at(hit)
+            erased_scores = self._scores_at(hit)
             self._used.view(-1).index_fill_(0, hit, False)
             self.free_list.release(erased_rows)
             self._size -= hit.numel()
@@ -431,7 +457,7 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
         """Move every index tensor and the free list to ``device``."""
         device = resolve_device(device)
         with torch.inference_mode(False):
-            tables = tuple(t.to(device) for t in (self._keys, self._used, self._rows, self._scores, self._lock))
+            tables = tuple(t.to(device) for t in (self._keys, self._used, self._rows, self._scores))
             if self._segment_stats is not None:
                 self._segment_stats = self._segment_stats.to(device)
             if self._segment_size is not None:

@@ -62,7 +62,7 @@ def _follow(positions: torch.Tensor, moves: list[tuple[torch.Tensor, torch.Tenso
 
 class BatchPlacement:
     """The placement steps of :class:`dynemb.table.index.KeyIndex` (a mixin: it reads and
-    writes the index's tensors ``_keys``, ``_used``, ``_rows``, ``_scores``, ``_lock``)."""
+    writes the index's tensors ``_keys``, ``_used``, ``_rows``, ``_scores``)."""
 
     def _upsert(self, unique: torch.Tensor, counts: torch.Tensor, batch_scores: torch.Tensor, own: bool, seg: torch.Tensor | None = None) -> IndexResult:
         """upsert_unique after argument checks; ``own``: the scores are the strategy's (not given);
@@ -72,14 +72,17 @@ class BatchPlacement:
         uniform = own and self.strategy in _CLOCKED
         pos, found = self._locate(unique, seg)
         found_pos = pos[found]
-        flat_scores = self._scores.view(-1)
         if lfu_add:
             # Saturating add: a key pinned at the largest score must not wrap to the smallest.
-            old = flat_scores.index_select(0, found_pos)
+            old = self._scores_at(found_pos)
             add = counts[found]
-            flat_scores.scatter_(0, found_pos, torch.where(old > _MAX_SCORE - add, _MAX_SCORE, old + add))
+            found_scores = torch.where(old > _MAX_SCORE - add, _MAX_SCORE, old + add)
         else:
-            flat_scores.scatter_(0, found_pos, batch_scores[found])
+            found_scores = batch_scores[found]
+        # Widen the stored scores before any is written, if this call's do not fit in int32
+        # (batch_scores covers the new keys' scores).
+        self._fit_scores(torch.cat([found_scores, batch_scores]))
+        self._scores.view(-1).scatter_(0, found_pos, found_scores.to(self._scores.dtype))
 
         missing = (~found).nonzero().squeeze(1)  # [M] into unique
         if not uniform:
@@ -146,7 +149,7 @@ class BatchPlacement:
             pos.scatter_(0, missing[pending], victim_pos)
         *evicted, taken = evicted
         ok = pos >= 0
-        rows = torch.where(ok, self._rows.view(-1).index_select(0, pos.clamp(min=0)), -1)
+        rows = torch.where(ok, self._rows_at(pos.clamp(min=0)), -1)
         failed_keys = unique[~ok]
         failed_seg = evicted_seg = None
         if seg is not None:
@@ -220,8 +223,8 @@ class BatchPlacement:
         fit_idx = order[fits]
         self._keys.view(-1).scatter_(0, fit_pos, keys.index_select(0, fit_idx))
         self._used.view(-1).index_fill_(0, fit_pos, True)
-        self._scores.view(-1).scatter_(0, fit_pos, scores.index_select(0, fit_idx))
-        self._rows.view(-1).scatter_(0, fit_pos, self.free_list.allocate(fit_pos.numel()))
+        self._scores.view(-1).scatter_(0, fit_pos, scores.index_select(0, fit_idx).to(self._scores.dtype))
+        self._rows.view(-1).scatter_(0, fit_pos, self.free_list.allocate(fit_pos.numel()).to(self._rows.dtype))
         self._size += fit_pos.numel()
         self._count("inserts", fit_pos)
         out_fits = torch.zeros_like(fits).scatter_(0, order, fits)
@@ -358,7 +361,7 @@ class BatchPlacement:
             w_rank, w_pos, loser_rank = active[winner], victim_pos[winner], victim_rank[winner]
             # The winner inherits the displaced key's slot and row id.
             flat_keys.scatter_(0, w_pos, keys.index_select(0, w_rank))
-            flat_scores.scatter_(0, w_pos, scores.index_select(0, w_rank))
+            flat_scores.scatter_(0, w_pos, scores.index_select(0, w_rank).to(flat_scores.dtype))
             pos.scatter_(0, w_rank, w_pos)
             pos.index_fill_(0, loser_rank, -1)
             displaced += loser_rank.numel()
@@ -377,9 +380,10 @@ class BatchPlacement:
             evicted keys, rows, scores (Tensor[int64]): [E] each.
         """
         W = self.bucket_capacity
-        lock = self._lock
+        # Slots locked by the batch being placed (1 byte a slot, for this call only).
+        lock = torch.zeros(self.current_capacity(), dtype=torch.bool, device=self.device)
         lock.index_fill_(0, locked_pos, True)
-        flat_keys, flat_scores, flat_rows = self._keys.view(-1), self._scores.view(-1), self._rows.view(-1)
+        flat_keys, flat_scores = self._keys.view(-1), self._scores.view(-1)
         flat_used = self._used.view(-1)
         candidates = self._candidate_slots(keys, seg)  # [P, 2W]
         pos = torch.full_like(keys, -1)
@@ -390,7 +394,7 @@ class BatchPlacement:
             flat = cand.view(-1)
             # An empty slot is never a victim (free slots were offered before eviction).
             blocked = (lock.index_select(0, flat) | ~flat_used.index_select(0, flat)).view(cand.shape)
-            masked = flat_scores.index_select(0, flat).view(cand.shape).masked_fill_(blocked, _MAX_SCORE)
+            masked = self._scores_at(flat).view(cand.shape).masked_fill_(blocked, _MAX_SCORE)
             victim_score = masked.amin(1)  # [A]
             # Unblocked slots holding the lowest score; "unblocked" matters when that score is
             # the int64 maximum, which blocked slots were filled with.
@@ -410,14 +414,12 @@ class BatchPlacement:
             top = torch.full_like(shared, _MAX_SCORE).scatter_reduce_(0, inverse, active.repeat_interleave(2), reduce="amin")
             winner = (top.index_select(0, inverse).view(-1, 2) >= active[:, None]).all(1)
             w_keys, w_pos = active[winner], victim[winner]
-            won.append((flat_keys.index_select(0, w_pos), flat_rows.index_select(0, w_pos), flat_scores.index_select(0, w_pos), w_pos))
+            won.append((flat_keys.index_select(0, w_pos), self._rows_at(w_pos), self._scores_at(w_pos), w_pos))
             flat_keys.scatter_(0, w_pos, keys.index_select(0, w_keys))
-            flat_scores.scatter_(0, w_pos, scores.index_select(0, w_keys))
+            flat_scores.scatter_(0, w_pos, scores.index_select(0, w_keys).to(flat_scores.dtype))
             lock.index_fill_(0, w_pos, True)
             pos.scatter_(0, w_keys, w_pos)
             active = active[~winner]
-        lock.index_fill_(0, locked_pos, False)
-        lock.index_fill_(0, pos[pos >= 0], False)
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         *evicted, taken = [torch.cat(parts) for parts in zip(*won)] if won else [empty] * 4
         self._count("evictions", taken)

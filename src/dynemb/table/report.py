@@ -19,14 +19,21 @@ class IndexReport:
 
     def stats(self) -> dict[str, int | float]:
         """Counters: size, capacity, current_capacity, load_factor, inserts, evictions,
-        failed_inserts, growths (one per doubling of a segment)."""
+        failed_inserts, growths (one per doubling of a segment); memory: ``index_bytes`` (of the
+        slots allocated now) and ``index_bytes_per_key`` (bytes a key costs at the maximum load
+        factor: bytes per slot / max_load_factor; docs/design/0035)."""
         return {
             "size": self._size,
             "capacity": self.capacity(),
             "current_capacity": self.current_capacity(),
             "load_factor": self.load_factor(),
             **self._stats,
+            **self._memory(self.current_capacity()),
         }
+
+    def _memory(self, slots: int) -> dict[str, int | float]:
+        per_slot = self.index_bytes_per_slot()
+        return {"index_bytes": per_slot * slots, "index_bytes_per_key": per_slot / self.max_load_factor}
 
     def counters(self, segment: int | None = None) -> list[int]:
         """The index's counters (inserts, evictions, failed_inserts, growths), or with ``segment``
@@ -110,7 +117,12 @@ class IndexReport:
         for start in range(lo, hi, chunk_size):
             end = min(start + chunk_size, hi)
             at = used[start:end].nonzero().squeeze(1)
-            yield keys[start:end].index_select(0, at), rows[start:end].index_select(0, at), scores[start:end].index_select(0, at), at + start
+            yield (
+                keys[start:end].index_select(0, at),
+                rows[start:end].index_select(0, at).to(torch.int64),
+                scores[start:end].index_select(0, at).to(torch.int64),
+                at + start,
+            )
 
     def segment_capacity(self, segment: int) -> int:
         """Most keys segment ``segment`` holds (its maximum buckets times W)."""
@@ -124,12 +136,13 @@ class IndexReport:
 
     def segment_stats(self) -> list[dict[str, int | float]]:
         """Per segment: size, capacity, current_capacity, load_factor, inserts, evictions,
-        failed_inserts, erased."""
+        failed_inserts, erased, index_bytes, index_bytes_per_key (as :meth:`stats`)."""
         sizes = self.segment_sizes().tolist()
         out = []
         for s, size in enumerate(sizes):
             current = self._segments.buckets[s] * self.bucket_capacity
             entry = {"size": size, "capacity": self.segment_capacity(s), "current_capacity": current, "load_factor": size / current}
             entry.update(zip(SEGMENT_COUNTERS, self.counters(s)))
+            entry.update(self._memory(current))
             out.append(entry)
         return out

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 import torch
 
-from dynemb.table.geometry import Segments, is_doubling_of
+from dynemb.table.geometry import SCORE_MAX, SCORE_MIN, Segments, is_doubling_of
 from dynemb.table.keys import unique_pairs
 
 COUNTERS = ("inserts", "evictions", "failed_inserts", "growths")
@@ -45,7 +45,8 @@ class IndexState:
     (a mixin, like :class:`dynemb.table.placement.BatchPlacement`)."""
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Plain int64 tensors that restore this index exactly (``torch.load(weights_only=True)``).
+        """Plain int64 tensors that restore this index exactly (``torch.load(weights_only=True)``);
+        row ids and scores are int64 here whatever their stored dtype (docs/design/0035).
 
         Entries: ``keys``, ``rows``, ``scores``, ``slots`` [K] (flat slot of each key, ascending);
         0-d ``num_buckets``, ``bucket_capacity``, ``max_buckets``, ``free_high_water``; ``free``
@@ -62,8 +63,8 @@ class IndexState:
 
         state = {
             "keys": self._keys.view(-1).index_select(0, slots),
-            "rows": self._rows.view(-1).index_select(0, slots),
-            "scores": self._scores.view(-1).index_select(0, slots),
+            "rows": self._rows_at(slots),
+            "scores": self._scores_at(slots),
             "slots": slots,
             "num_buckets": as_tensor(self.num_buckets),
             "bucket_capacity": as_tensor(self.bucket_capacity),
@@ -172,11 +173,14 @@ class IndexState:
             raise ValueError("state entries 'free' / 'rows': a row id is both free and in use")
 
         with torch.inference_mode(False):
+            # Stored scores are int32 again unless the state's do not fit (docs/design/0035).
+            wide = K and (int(scores.min()) < SCORE_MIN or int(scores.max()) > SCORE_MAX)
+            self._score_dtype = torch.int64 if wide else torch.int32
             tables = self._new_tables(B)
-            new_keys, new_used, new_rows, new_scores, _ = tables
+            new_keys, new_used, new_rows, new_scores = tables
             new_keys.view(-1).scatter_(0, slots, keys)
-            new_rows.view(-1).scatter_(0, slots, rows)
-            new_scores.view(-1).scatter_(0, slots, scores)
+            new_rows.view(-1).scatter_(0, slots, rows.to(new_rows.dtype))
+            new_scores.view(-1).scatter_(0, slots, scores.to(new_scores.dtype))
             new_used.view(-1).index_fill_(0, slots, True)
             self.free_list.load_state(high_water, free)
             if seg_counters is not None:
