@@ -184,8 +184,8 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
         about to be stored) lie outside int32; call before any score of a call is written."""
         if self._scores.dtype is torch.int64 or values.numel() == 0:
             return
-        low, high = torch.aminmax(values)
-        if int(low) < SCORE_MIN or int(high) > SCORE_MAX:
+        low, high = torch.stack(torch.aminmax(values)).tolist()  # one host sync
+        if low < SCORE_MIN or high > SCORE_MAX:
             with torch.inference_mode(False):
                 self._score_dtype = torch.int64
                 self._scores = self._scores.to(torch.int64)

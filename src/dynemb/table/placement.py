@@ -80,8 +80,8 @@ class BatchPlacement:
         else:
             found_scores = batch_scores[found]
         # Widen the stored scores before any is written, if this call's do not fit in int32
-        # (batch_scores covers the new keys' scores).
-        self._fit_scores(torch.cat([found_scores, batch_scores]))
+        # (batch_scores covers the new keys' scores, and the found ones' but for lfu sums).
+        self._fit_scores(torch.cat([found_scores, batch_scores]) if lfu_add else batch_scores)
         self._scores.view(-1).scatter_(0, found_pos, found_scores.to(self._scores.dtype))
 
         missing = (~found).nonzero().squeeze(1)  # [M] into unique
