@@ -46,6 +46,14 @@ def _probe_device(fn) -> torch.device | None:
     return None if moved.device.type == "meta" else moved.device
 
 
+def unbuilt_error(owner: str) -> RuntimeError:
+    """What a meta module says when its tables are needed before they exist."""
+    return RuntimeError(
+        f"{owner} was built on device='meta': its tables do not exist yet. DistributedModelParallel "
+        "(with sharders=dynemb.torchrec.sharders()) creates them on each rank; for unsharded use call module.to_empty(device=...)"
+    )
+
+
 class TorchRecTables:
     """Mixin of the drop-in modules: their collection's construction, optimizer and device.
 
@@ -86,16 +94,17 @@ class TorchRecTables:
             return torch.nn.Module.__getattr__(self, "collection")
         except AttributeError:
             pass
-        device = next(iter(self.optimizer_handles.parameters()), torch.empty(0, device=_META)).device
-        if device.type != "meta":
-            return self.materialize(device)
-        raise RuntimeError(
-            f"{type(self).__name__} was built on device='meta': its tables do not exist yet. DistributedModelParallel "
-            "(with sharders=dynemb.torchrec.sharders()) creates them on each rank; for unsharded use call module.to_empty(device=...)"
-        )
+        if self.handles_device().type != "meta":
+            return self.materialize(self.handles_device())
+        raise unbuilt_error(type(self).__name__)
 
     def is_built(self) -> bool:
         return "collection" in dict(self.named_children())
+
+    def handles_device(self) -> torch.device:
+        """Where the table handles are: meta, unless DMP materialised them on its device (a
+        dynemb module it left unsharded at world size 1), which is where the tables then go."""
+        return next(iter(self.optimizer_handles.parameters())).device
 
     def flush(self) -> None:
         """Caching tables (``options`` with ``caching=True``): write the dirty cached rows back to
@@ -108,11 +117,8 @@ class TorchRecTables:
         module without tables, or still on meta (the lookup then answers meta inputs only)."""
         if not self.dynemb_configs:
             return None
-        if not self.is_built():
-            device = next(iter(self.optimizer_handles.parameters())).device
-            if device.type == "meta":
-                return None
-            self.materialize(device)
+        if not self.is_built() and self.handles_device().type == "meta":
+            return None
         if self.training and torch.is_grad_enabled():
             self.settle_optimizer()
         return self.collection

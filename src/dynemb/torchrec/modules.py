@@ -16,7 +16,7 @@ from torchrec.sparse.tensor_dict import maybe_td_to_kjt
 from dynemb.nn import DynamicEmbeddingBagCollection, DynamicEmbeddingCollection
 from dynemb.nn.tables import DynamicTables
 from dynemb.torchrec.configs import check_options, table_config
-from dynemb.torchrec.lifecycle import TorchRecTables, is_meta
+from dynemb.torchrec.lifecycle import TorchRecTables, is_meta, unbuilt_error
 from dynemb.torchrec.optimizers import UNSET
 from dynemb.torchrec.stock import load_stock_entries
 
@@ -90,10 +90,7 @@ def _renamed(features: KeyedJaggedTensor, pairs: tuple[tuple[str, str], ...], we
 
 def _check_built(collection: DynamicTables | None, owner: str) -> None:
     if collection is None:
-        raise RuntimeError(
-            f"{owner} was built on device='meta': its tables do not exist yet. DistributedModelParallel "
-            "(with sharders=dynemb.torchrec.sharders()) creates them on each rank; for unsharded use call module.to_empty(device=...)"
-        )
+        raise unbuilt_error(owner)
 
 
 # The lookups are fx leaves (torch.fx.wrap): torchrec.fx.symbolic_trace records one call per
