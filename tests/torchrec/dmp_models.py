@@ -106,20 +106,25 @@ def local_rows(model: torch.nn.Module) -> dict[tuple[str, int], torch.Tensor]:
     return out
 
 
-def gathered_rows(model: torch.nn.Module) -> dict[tuple[str, int], torch.Tensor]:
-    """Every rank's rows by (table, key); each key held by rank owner_of(key, W) only."""
+def owned_parts(mine: dict[tuple[str, int], torch.Tensor]) -> list[dict]:
+    """Every rank's rows by (table, key), rank by rank, after checking that this rank holds only
+    keys it owns (owner_of(key, W)) and that no key is on two ranks."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    mine = local_rows(model)
     keys = torch.tensor([k for (_, k) in mine], dtype=torch.int64)
     wrong = keys[owner_of(keys, world) != rank].tolist()
     assert not wrong, f"rank {rank} holds keys of other ranks: {wrong[:5]}"
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine)
-    out = {}
+    seen: set = set()
     for part in everyone:
-        assert not out.keys() & part.keys()
-        out.update(part)
-    return out
+        assert not seen & part.keys()
+        seen |= part.keys()
+    return everyone
+
+
+def gathered_rows(model: torch.nn.Module) -> dict[tuple[str, int], torch.Tensor]:
+    """Every rank's rows by (table, key); each key held by rank owner_of(key, W) only."""
+    return {k: v for part in owned_parts(local_rows(model)) for k, v in part.items()}
 
 
 def assert_rows(actual: dict, expected: dict) -> None:

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torchrec
+from dmp_models import owned_parts
 from torchrec import EmbeddingBagConfig, EmbeddingConfig, KeyedJaggedTensor, PoolingType
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardingType
@@ -138,19 +139,11 @@ def _rows(collection, tables: list[str]) -> dict[tuple[str, int], torch.Tensor]:
 def _check_rows(sharded, reference, tables: list[str]) -> None:
     """Every rank's local rows, gathered: each key on rank owner_of(key, W) only (the owner of
     dynemb's own sharding), and equal by key to the unsharded model's rows."""
-    rank, world = dist.get_rank(), dist.get_world_size()
     mine = {}
     for t in tables:
         mine.update(_rows(sharded.local_collection(t), [t]))
-    keys = torch.tensor([k for (_, k) in mine], dtype=torch.int64)
-    wrong = keys[owner_of(keys, world) != rank].tolist()
-    assert not wrong, f"rank {rank} holds keys of other ranks: {wrong[:5]}"
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, mine)
-    gathered = {}
-    for part in everyone:
-        assert not gathered.keys() & part.keys()
-        gathered.update(part)
+    everyone = owned_parts(mine)
+    gathered = {k: v for part in everyone for k, v in part.items()}
     assert all(everyone), "a rank holds no key"
     expected = _rows(reference, tables)
     assert gathered.keys() == expected.keys(), sorted(gathered.keys() ^ expected.keys())[:5]

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torchrec
+from dmp_models import owned_parts
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
 from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
@@ -274,9 +275,7 @@ def _gathered_rows(sharded, tables: list[str]) -> dict[tuple[str, int], torch.Te
     for t in tables:
         collection = sharded.local_collection(t)
         mine.update({key: row for key, row in rows(collection).items() if key[0] == t})
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return {k: v for part in everyone for k, v in part.items()}
+    return {k: v for part in owned_parts(mine) for k, v in part.items()}
 
 
 def _dmp_vs_unsharded(rank: int, world: int, make_dmp, reference_optimizer, steps: int = 3) -> DistributedModelParallel:
