@@ -38,7 +38,7 @@ def group_tiers(configs: list[TableConfig]) -> list[Tier] | None:
     return [dataclasses.replace(t, rows=sum(c.tiers[i].rows for c in configs)) for i, t in enumerate(configs[0].tiers)]
 
 
-def check_tier_memory(configs: list[TableConfig], slots: int, width: int, index_bytes: int) -> None:
+def check_tier_memory(configs: list[TableConfig], slots: int, width: int, index_size: int) -> None:
     """Raise ValueError naming every tier's budget when a tier does not fit its medium: device
     memory (index, placement and device tier; a CPU table's host tier too), host memory, free
     disk under the disk tier's path. ``slots``: the index's row ids (rows beyond the tiers'
@@ -49,7 +49,7 @@ def check_tier_memory(configs: list[TableConfig], slots: int, width: int, index_
     row_bytes = width * torch.empty(0, dtype=first.dtype).element_size()
     device = first.device
     # (what, bytes needed, medium, bytes it has or None if unknown)
-    need = {str(device): [index_bytes + placement_bytes(slots) * slots, None]}
+    need = {str(device): [index_size + placement_bytes(slots) * slots, None]}
     budgets = []
     for tier, n in zip(tiers, rows):
         if tier.kind == "disk":
@@ -63,7 +63,7 @@ def check_tier_memory(configs: list[TableConfig], slots: int, width: int, index_
     for medium, entry in need.items():
         entry[1] = device_memory(torch.device("cpu") if medium == "host memory" else device)
     lines = [f"{what} x {width} {first.dtype} columns: {size:,} bytes on {medium}" for what, size, medium, _ in budgets]
-    lines.append(f"index and placement of {slots:,} rows: {index_bytes + placement_bytes(slots) * slots:,} bytes on {device}")
+    lines.append(f"index and placement of {slots:,} rows: {index_size + placement_bytes(slots) * slots:,} bytes on {device}")
     short = [f"{medium} needs {n:,} bytes, has {have:,}" for medium, (n, have) in need.items() if have is not None and n > have]
     short += [f"{medium} needs {size:,} bytes, has {have:,} free" for _, size, medium, have in budgets if have is not None and size > have]
     if short:
@@ -91,9 +91,10 @@ def check_memory(configs: list[TableConfig], slots: int, width: int, what: str, 
     """Bytes of a full table or group (index and rows in memory; a caching table's cache only),
     raising ValueError when they cannot fit: each tier against its own medium, else the device."""
     first = configs[0]
-    full_bytes = index_bytes(slots) + (cache_rows or slots) * width * torch.empty(0, dtype=first.dtype).element_size()
+    index_size = index_bytes(slots)
+    full_bytes = index_size + (cache_rows or slots) * width * torch.empty(0, dtype=first.dtype).element_size()
     if first.tiers is not None:
-        check_tier_memory(configs, slots, width, index_bytes(slots))
+        check_tier_memory(configs, slots, width, index_size)
         return full_bytes
     total = device_memory(first.device)
     if total is not None and full_bytes > total:
