@@ -14,10 +14,11 @@ from dynemb.nn import (
 )
 from dynemb.nn.deferred import clip_grad_norm_
 from dynemb.table.index import KeyIndex
-from dynemb.types import CheckMode, InitKind, NonFiniteGrads, PoolingMode, ScoreStrategy
+from dynemb.types import Backend, CheckMode, InitKind, NonFiniteGrads, PoolingMode, ScoreStrategy
 
 __all__ = [
     "Admission",
+    "Backend",
     "CheckMode",
     "CheckpointError",
     "DynamicEmbedding",

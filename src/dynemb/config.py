@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from dynemb.types import CheckMode, InitKind, NonFiniteGrads, PoolingMode, ScoreStrategy
+from dynemb.types import Backend, CheckMode, InitKind, NonFiniteGrads, PoolingMode, ScoreStrategy
 
 
 def _require(ok: bool, field: str, value, why: str) -> None:
@@ -219,6 +219,8 @@ class TableConfig:
             host, disk) whose rows sum to ``capacity``; new rows take the fastest tier with
             room, rows move between tiers by score (docs/design/0032-tiers.md). Default: every
             row in one tensor on ``device``.
+        backend: ``auto`` (default), ``native`` or ``torch``: whether dynemb's compiled CPU
+            kernels run the index, de-duplication and update loops, see :class:`dynemb.Backend`.
     """
 
     embedding_dim: int
@@ -243,6 +245,7 @@ class TableConfig:
     external_storage: object | None = dataclasses.field(default=None, hash=False)
     cache_rows: int | None = None
     tiers: tuple[Tier, ...] | list[Tier] | None = None
+    backend: Backend | str = Backend.AUTO
 
     def __post_init__(self):
         _require_int("embedding_dim", self.embedding_dim, 1)
@@ -290,6 +293,7 @@ class TableConfig:
         _require(self.dtype in ROW_DTYPES, "dtype", self.dtype, "must be torch.float32, torch.float64, torch.bfloat16 or torch.float16")
         object.__setattr__(self, "device", resolve_device(self.device))
         object.__setattr__(self, "nonfinite_grads", NonFiniteGrads.parse(self.nonfinite_grads, "nonfinite_grads"))
+        object.__setattr__(self, "backend", Backend.parse(self.backend, "backend"))
         _require(self.name is None or (isinstance(self.name, str) and self.name != ""), "name", self.name, "must be a non-empty str or None")
         if self.feature_names is not None:
             names = self.feature_names

@@ -120,6 +120,23 @@ class NonFiniteGrads(_StrEnum):
     APPLY = "apply"
 
 
+class Backend(_StrEnum):
+    """Which kernels run a CPU table's hot loops (docs/design/0037-native-kernels.md).
+
+    * ``auto``: dynemb's compiled kernels where they build (a warning, once, where they do not);
+      the environment variable ``DYNEMB_BACKEND`` (``torch`` or ``native``) decides for "auto"
+      (default).
+    * ``native``: the compiled kernels; raises where they cannot be built.
+    * ``torch``: plain torch (the oracle every kernel is tested against).
+
+    Tables on other devices run plain torch under every backend.
+    """
+
+    AUTO = "auto"
+    NATIVE = "native"
+    TORCH = "torch"
+
+
 class UpdateMode(_StrEnum):
     """When a table's optimizer changes its rows (docs/design/0011-deferred-updates.md).
 

@@ -62,7 +62,7 @@ class Engine:
         first = configs[0]
         if any(group_key(c) != group_key(first) for c in configs):
             raise ValueError(
-                "configs: a group's tables must share embedding_dim, dtype, device, bucket_capacity, score_strategy, nonfinite_grads, tier kinds and paths"
+                "configs: a group's tables must share embedding_dim, dtype, device, bucket_capacity, score_strategy, nonfinite_grads, tier kinds and paths, backend"
             )
         if first.caching and (len(configs) > 1 or store is not None):
             raise ValueError(caching_problem(configs, store))
@@ -119,6 +119,7 @@ class Engine:
                 max_load_factor=c.max_load_factor,
                 score_strategy=c.score_strategy,
                 device=c.device,
+                backend=c.backend,
             )
         # A group's tables grow each from its own init_capacity (docs/design/0025); the first
         # table's max_load_factor serves the group.
@@ -129,6 +130,7 @@ class Engine:
             max_load_factor=c.max_load_factor,
             score_strategy=c.score_strategy,
             device=c.device,
+            backend=c.backend,
         )
 
     def fresh(self, *, share_store: bool = False) -> Engine:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.utils.hooks import RemovableHandle
 
 from dynemb.config import TableConfig
+from dynemb.kernels.dedup import dedup
 from dynemb.nn.autograd import FusedEmbeddings, FusedSequence, Lookup
 from dynemb.nn.collective import collective
 from dynemb.nn.inputs import as_ids
@@ -141,10 +142,10 @@ class DynamicTable(DynamicTables):
         self._check_row_dtypes()
         failures: list = []
         with self._lock:
-            keys, inverse, counts = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True, return_counts=True)
+            keys, _, inverse, counts, grouping = dedup(ids.reshape(-1), native=self.engines[0].index.native, grouping=True, workspace=self._workspace)
             if self.training:
                 self.step += 1
-            lookup = self._lookup_unique(0, keys, None, counts, failures)
+            lookup = self._lookup_unique(0, keys, None, counts, failures, grouping)
         self._raise_failures(failures)
         return lookup, inverse.view(ids.shape)
 

@@ -27,7 +27,7 @@ def group_key(config: TableConfig) -> tuple:
     c = config
     # A caching table's store is keyed by its keys alone: tables sharing one would collide.
     caching = id(c.external_storage) if c.caching else None
-    return (c.embedding_dim, c.dtype, str(c.device), c.bucket_capacity, c.score_strategy, c.nonfinite_grads, caching, tier_layout(c.tiers))
+    return (c.embedding_dim, c.dtype, str(c.device), c.bucket_capacity, c.score_strategy, c.nonfinite_grads, caching, tier_layout(c.tiers), c.backend)
 
 
 def group_tiers(configs: list[TableConfig]) -> list[Tier] | None:

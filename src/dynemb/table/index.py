@@ -24,6 +24,9 @@ from collections.abc import Sequence
 import torch
 
 from dynemb.config import resolve_device
+from dynemb.kernels import check_backend, uses_native
+from dynemb.kernels.dedup import dedup_native, dedup_torch
+from dynemb.kernels.locate import locate_native, locate_torch
 from dynemb.table.base import IndexResult
 from dynemb.table.free_list import FreeList
 from dynemb.table.geometry import SCORE_MAX, SCORE_MIN, Segments, bucket_width, bytes_per_slot, index_bytes, plan_buckets, rounded_capacity, row_dtype
@@ -95,6 +98,8 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
         max_load_factor: a segment grows when an insert would pass this load factor.
         score_strategy: meaning of scores, see :class:`dynemb.ScoreStrategy`.
         device: where the index tensors live.
+        backend: ``"auto"``, ``"native"`` or ``"torch"``: whether the compiled CPU kernels
+            run the probes, placement and de-duplication (:mod:`dynemb.kernels`).
     """
 
     def __init__(
@@ -108,6 +113,7 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
         max_load_factor: float = 0.85,
         score_strategy: ScoreStrategy | str = ScoreStrategy.TIMESTAMP,
         device: torch.device | str = "cpu",
+        backend: str = "auto",
     ):
         if (capacity is None) == (capacities is None):
             raise ValueError(f"capacity={capacity!r}, capacities={capacities!r}: pass exactly one of them")
@@ -130,6 +136,8 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
             plan = [plan_buckets(capacity, init_capacity, bucket_capacity)]
         self.strategy = ScoreStrategy.parse(score_strategy, "score_strategy")
         self.device = resolve_device(device)
+        self.backend = check_backend(backend)
+        self.native = uses_native(self.backend, self.device)
         self.max_load_factor = float(max_load_factor)
         self.num_segments = len(plan)
         self._segment_init_buckets = [p[0] for p in plan]
@@ -261,22 +269,17 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
 
     def _locate(self, keys: torch.Tensor, seg: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat slot of each key (-1 if absent) and whether it is present ([N] int64, [N] bool)."""
-        W = self.bucket_capacity
+        if self.native:
+            pos, found, _ = locate_native(self._keys, self._used, self._segments, keys, seg)
+            return pos, found
         b1, b2 = self._buckets(keys, seg)
-        buckets = torch.stack([b1, b2], 1).view(-1)  # [2N]
-        n = keys.numel()
-        ws = self._workspace
-        cand = torch.index_select(self._keys, 0, buckets, out=ws.get("cand", 2 * n, (W,), torch.int64))
-        used = torch.index_select(self._used, 0, buckets, out=ws.get("used", 2 * n, (W,), torch.bool))
-        match = torch.eq(cand.view(n, 2 * W), keys[:, None], out=ws.get("match", n, (2 * W,), torch.bool))
-        match &= used.view(n, 2 * W)
-        # First matching slot among the 2W (when both candidates are one bucket it matches twice);
-        # argmax is 0 where nothing matches, and the match there says whether the key was found.
-        slot = match.view(torch.uint8).argmax(1)
-        found = match.gather(1, slot[:, None]).squeeze(1)
-        bucket = torch.where(slot < W, b1, b2)
-        pos = torch.where(found, bucket * W + slot % W, -1)
-        return pos, found
+        return locate_torch(self._keys, self._used, b1, b2, keys, self._workspace)
+
+    def _dedup(self, keys: torch.Tensor, seg: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """(unique [U], their segments [U] or None, inverse [N], counts [U]) of keys [N]."""
+        if self.native:
+            return dedup_native(keys, seg, workspace=self._workspace)[:4]
+        return dedup_torch(keys, seg)
 
     def candidate_buckets(self, keys: torch.Tensor, segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The two buckets each key may live in now: keys [*] (segments [*]) -> two [N] int64
@@ -301,7 +304,11 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
             found (Tensor[bool]): [*]
         """
         flat = self._check_keys(keys)
-        pos, found = self._locate(flat, self._check_segments(segments, flat.numel()))
+        seg = self._check_segments(segments, flat.numel())
+        if self.native:
+            _, found, rows = locate_native(self._keys, self._used, self._segments, flat, seg, self._rows)
+            return rows.view(keys.shape), found.view(keys.shape)
+        pos, found = self._locate(flat, seg)
         rows = torch.where(found, self._rows_at(pos.clamp(min=0)), -1)
         return rows.view(keys.shape), found.view(keys.shape)
 
@@ -341,11 +348,7 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
         """
         flat = self._check_keys(keys)
         seg = self._check_segments(segments, flat.numel())
-        if seg is None:
-            unique, inverse, counts = torch.unique(flat, sorted=True, return_inverse=True, return_counts=True)
-            useg = None
-        else:
-            (useg, unique), inverse, counts = unique_pairs(seg, flat)
+        unique, useg, inverse, counts = self._dedup(flat, seg)
         given = None
         if scores is not None:
             flat_scores = self._check_keys(scores, "scores")
@@ -423,11 +426,9 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
         """
         flat = self._check_keys(keys)
         seg = self._check_segments(segments, flat.numel())
-        if seg is None:
-            unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
-            useg = torch.zeros_like(unique) if self.segmented else None
-        else:
-            (useg, unique), inverse, _ = unique_pairs(seg, flat)
+        unique, useg, inverse, _ = self._dedup(flat, seg)
+        if useg is None and self.segmented:
+            useg = torch.zeros_like(unique)
         with torch.inference_mode(False):
             pos, found = self._locate(unique, None if seg is None else useg)
             hit = pos[found]
@@ -463,6 +464,7 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
             if self._segment_size is not None:
                 self._segment_size = self._segment_size.to(device)
         self.device = device
+        self.native = uses_native(self.backend, device)
         self._segments = self._segments.to(device)
         self._set_tables(tables)
         self.free_list.to(device)

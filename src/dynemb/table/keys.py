@@ -9,6 +9,11 @@ import operator
 
 import torch
 
+# The de-duplication of (segment, key) pairs is a kernel's plain-torch twin (dynemb.kernels.dedup).
+from dynemb.kernels.dedup import unique_pairs
+
+__all__ = ["INT64_MAX", "INT64_MIN", "check_chunk_size", "check_keys", "check_now", "check_segment", "check_segments", "unique_pairs"]
+
 INT64_MIN = torch.iinfo(torch.int64).min
 INT64_MAX = torch.iinfo(torch.int64).max
 
@@ -63,35 +68,3 @@ def check_now(now) -> int:
     if not INT64_MIN <= value <= INT64_MAX:
         raise ValueError(f"now={value}: must fit in int64")
     return value
-
-
-def unique_pairs(first: torch.Tensor, second: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Distinct (first, second) pairs of two [N] int64 tensors, sorted by first, then second.
-
-    Returns:
-        (first, second) of the U distinct pairs ([U] each), inverse ([N], the pair of each
-        input) and counts ([U]).
-    """
-    n = first.numel()
-    if n:
-        # Rank the second values, then one unique of (first - min) * ranks + rank: two uniques
-        # instead of two stable sorts and their gathers, when the product fits in int64.
-        second_values, rank = torch.unique(second, sorted=True, return_inverse=True)
-        low, high = int(first.min()), int(first.max())
-        width = second_values.numel()
-        if (high - low + 1) * width < (1 << 62):
-            composite = (first - low) * width + rank
-            pairs, inverse, counts = torch.unique(composite, sorted=True, return_inverse=True, return_counts=True)
-            return (pairs // width + low, second_values.index_select(0, pairs % width)), inverse, counts
-    by_second = torch.sort(second, stable=True)
-    by_first = torch.sort(first.index_select(0, by_second.indices), stable=True)
-    order = by_second.indices.index_select(0, by_first.indices)  # [N] input index in pair order
-    f, s = by_first.values, second.index_select(0, order)
-    start = torch.ones_like(f, dtype=torch.bool)
-    if f.numel() > 1:
-        start[1:] = (f[1:] != f[:-1]) | (s[1:] != s[:-1])
-    group = start.cumsum(0) - 1  # [N] pair id in sorted order
-    inverse = torch.empty_like(group).scatter_(0, order, group)
-    starts = start.nonzero().squeeze(1)
-    counts = torch.diff(starts, append=starts.new_tensor([f.numel()]))
-    return (f.index_select(0, starts), s.index_select(0, starts)), inverse, counts

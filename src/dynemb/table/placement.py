@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from dynemb.kernels.place import place_free_native
 from dynemb.table.base import IndexResult
 from dynemb.table.keys import INT64_MAX as _MAX_SCORE
 from dynemb.types import ScoreStrategy
@@ -176,6 +177,8 @@ class BatchPlacement:
         pos = torch.full_like(keys, -1)
         if self._size == self.current_capacity():
             return placed, pos
+        if self.native:
+            return self._place_free_native(keys, scores, seg)
         b1, b2 = self._buckets(keys, seg)
         # Ties between equally free candidates go by a bit of the buckets, not always to bucket 1.
         tie_second = ((b1 ^ b2) & 1).bool()
@@ -206,6 +209,19 @@ class BatchPlacement:
         one_round(halve=False, other=False)
         one_round(halve=False, other=True)
         return placed, pos
+
+    def _place_free_native(self, keys: torch.Tensor, scores: torch.Tensor, seg: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_place_free` by the compiled kernel (same slots, same row ids)."""
+        pos, order, rounds = place_free_native(self._keys, self._used, self._scores, self._segments, keys, scores, seg, self._workspace)
+        start = 0
+        for n in rounds:
+            # One free-list call per round, as _fill makes: the row ids each slot gets match.
+            slots = order[start : start + n]
+            self._rows.view(-1).scatter_(0, slots, self.free_list.allocate(n).to(self._rows.dtype))
+            start += n
+        self._size += start
+        self._count("inserts", order)
+        return pos >= 0, pos
 
     def _fill(self, keys: torch.Tensor, scores: torch.Tensor, bucket: torch.Tensor, halve: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Give the r-th key of each bucket (in priority order) the bucket's r-th free slot.

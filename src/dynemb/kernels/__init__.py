@@ -1,0 +1,89 @@
+"""Compiled CPU kernels for the hot loops, each beside its plain-torch twin (docs/design/0037).
+
+One file per operation: ``locate.py`` (find keys in the index), ``place.py`` (new keys into free
+slots), ``dedup.py`` (a batch's distinct keys, inverse, counts); each holds the plain-torch twin
+(the CPU oracle, and what runs on other devices or where the kernels cannot build) and the
+launcher of the ``.cpp`` of the same name. A table chooses with its ``backend`` config field:
+
+- ``"torch"``: plain torch everywhere.
+- ``"native"``: the compiled kernels on CPU tables; ValueError if they cannot be built.
+- ``"auto"`` (default): the kernels where they build (one warning, once, where they do not);
+  the environment variable ``DYNEMB_BACKEND`` (``torch`` or ``native``) decides for "auto".
+
+Tables on other devices run plain torch under every backend.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import warnings
+
+import torch
+
+from dynemb.types import Backend
+
+ENV = "DYNEMB_BACKEND"
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_failure: str | None = None
+_warned = False
+
+
+def check_backend(value, name: str = "backend") -> Backend:
+    """The :class:`dynemb.Backend` ``value`` names, else ValueError naming ``name`` and the value."""
+    return Backend.parse(value, name)
+
+
+def _env_backend() -> Backend:
+    return check_backend(os.environ.get(ENV) or "auto", f"environment variable {ENV}")
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, built on first use; None when it cannot be built."""
+    global _library, _failure
+    with _lock:
+        if _library is None and _failure is None:
+            from dynemb.kernels.build import build
+
+            try:
+                _library = build()
+            except Exception as error:  # any build failure: the tables fall back to torch
+                _failure = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+        return _library
+
+
+def uses_native(backend: Backend | str, device: torch.device | str) -> bool:
+    """Whether a table of ``backend`` on ``device`` runs the compiled kernels."""
+    global _warned
+    backend = check_backend(backend)
+    if backend is Backend.TORCH:
+        return False
+    required = backend is Backend.NATIVE
+    if backend is Backend.AUTO:
+        env = _env_backend()
+        if env is Backend.TORCH:
+            return False
+        required = env is Backend.NATIVE
+    if torch.device(device).type != "cpu":
+        return False
+    if library() is not None:
+        return True
+    if required:
+        raise ValueError(f"backend='native': dynemb's compiled CPU kernels could not be built here ({_failure}); use backend='torch' or 'auto'")
+    if not _warned:
+        _warned = True
+        warnings.warn(f"dynemb: compiled CPU kernels unavailable ({_failure}); running the plain-torch kernels", RuntimeWarning, stacklevel=3)
+    return False
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's data address for a kernel argument (None for an absent optional tensor)."""
+    return None if t is None else t.data_ptr()
+
+
+def threads() -> int:
+    """The thread count the kernels may use: torch's intra-op setting."""
+    return torch.get_num_threads()

@@ -1,0 +1,82 @@
+"""Find keys in the bucketed index: the flat slot of each key (-1 where absent).
+
+N keys, B buckets, W slots per bucket. A key may live at any slot of its two candidate buckets
+(b1, b2); its slot is the first match among b1's W slots, then b2's.
+
+``locate_torch`` is the plain-torch twin; ``locate_native`` runs ``locate.cpp``, which computes
+the candidates itself (the bits of :mod:`dynemb.hashing`) and can return the row ids too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dynemb.kernels import library, ptr, threads
+
+
+def locate_torch(
+    table_keys: torch.Tensor, used: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, keys: torch.Tensor, workspace
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat slot of each key ([N] int64, -1 if absent) and whether it is present ([N] bool).
+
+    Args:
+        table_keys (Tensor[int64]), used (Tensor[bool]): [B, W] the index's slots.
+        b1, b2 (Tensor[int64]): [N] each key's candidate buckets.
+        keys (Tensor[int64]): [N].
+        workspace: a :class:`dynemb.workspace.Workspace` for the [2N, W] candidates.
+    """
+    W = table_keys.shape[1]
+    buckets = torch.stack([b1, b2], 1).view(-1)  # [2N]
+    n = keys.numel()
+    cand = torch.index_select(table_keys, 0, buckets, out=workspace.get("cand", 2 * n, (W,), torch.int64))
+    in_use = torch.index_select(used, 0, buckets, out=workspace.get("used", 2 * n, (W,), torch.bool))
+    match = torch.eq(cand.view(n, 2 * W), keys[:, None], out=workspace.get("match", n, (2 * W,), torch.bool))
+    match &= in_use.view(n, 2 * W)
+    # First matching slot among the 2W (when both candidates are one bucket it matches twice);
+    # argmax is 0 where nothing matches, and the match there says whether the key was found.
+    slot = match.view(torch.uint8).argmax(1)
+    found = match.gather(1, slot[:, None]).squeeze(1)
+    bucket = torch.where(slot < W, b1, b2)
+    pos = torch.where(found, bucket * W + slot % W, -1)
+    return pos, found
+
+
+def locate_native(
+    table_keys: torch.Tensor,
+    used: torch.Tensor,
+    segments,
+    keys: torch.Tensor,
+    seg: torch.Tensor | None,
+    table_rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """As :func:`locate_torch`, candidates computed in the kernel; also each key's row id
+    ([N] int64, -1 where absent) when ``table_rows`` ([B, W] int32 or int64) is given.
+
+    Args:
+        segments: the index's :class:`dynemb.table.geometry.Segments` (bucket counts, offsets).
+        seg (Tensor[int64] | None): [N] segment of each key, None for an index of one segment.
+    """
+    keys = keys.contiguous()
+    seg = None if seg is None else seg.contiguous()
+    n = keys.numel()
+    pos = torch.empty(n, dtype=torch.int64)
+    found = torch.empty(n, dtype=torch.bool)
+    rows = None if table_rows is None else torch.empty(n, dtype=torch.int64)
+    library().dyn_locate(
+        ptr(table_keys),
+        ptr(used),
+        table_keys.shape[1],
+        table_keys.shape[0],
+        ptr(keys),
+        ptr(seg),
+        None if seg is None else ptr(segments.counts),
+        None if seg is None else ptr(segments.offsets),
+        n,
+        ptr(pos),
+        ptr(found),
+        ptr(table_rows),
+        0 if table_rows is None else table_rows.element_size(),
+        ptr(rows),
+        threads(),
+    )
+    return pos, found, rows

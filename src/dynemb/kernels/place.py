@@ -1,0 +1,72 @@
+"""Place new keys into free slots of their candidate buckets, round by round.
+
+P keys (in priority order), B buckets, W slots per bucket. The rule (docs/design/0006): in each
+round a key tries the candidate with more free slots (ties by a bit of the buckets, the other
+candidate in the last round); the r-th key of a bucket takes its r-th free slot while r is below
+the round's limit (half the free slots, rounded up, in the first rounds). The plain-torch twin is
+``BatchPlacement._place_free`` (:mod:`dynemb.table.placement`); ``place_free_native`` runs
+``place.cpp`` and gives the same slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dynemb.kernels import library, ptr, threads
+
+# As place.cpp: at most 8 halving rounds, then one filling the preferred candidate, one the other.
+MAX_ROUNDS = 10
+
+
+def place_free_native(
+    table_keys: torch.Tensor,
+    used: torch.Tensor,
+    table_scores: torch.Tensor,
+    segments,
+    keys: torch.Tensor,
+    scores: torch.Tensor,
+    seg: torch.Tensor | None,
+    workspace,
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Write keys and scores into free slots (in place) and say where.
+
+    Args:
+        table_keys (Tensor[int64]), used (Tensor[bool]), table_scores (Tensor[int32|int64]):
+            [B, W] the index's slots, written in place.
+        segments: the index's :class:`dynemb.table.geometry.Segments`.
+        keys, scores (Tensor[int64]): [P]; scores already fit ``table_scores``' dtype.
+        seg (Tensor[int64] | None): [P] segment of each key.
+        workspace: a :class:`dynemb.workspace.Workspace` for the kernel's [B] scratch.
+    Returns:
+        pos (Tensor[int64]): [P] slot taken, -1 where not placed.
+        order (Tensor[int64]): [M] the M slots taken, in the order row ids are handed out
+            (each round's slots ascending, the rounds in turn), as the twin allocates them.
+        rounds (list[int]): slots taken by each round that placed keys (they sum to M): the
+            twin asks the free list for each round's row ids in turn.
+    """
+    keys, scores = keys.contiguous(), scores.contiguous()
+    seg = None if seg is None else seg.contiguous()
+    n = keys.numel()
+    pos = torch.empty(n, dtype=torch.int64)
+    order = torch.empty(n, dtype=torch.int64)
+    rounds = torch.zeros(MAX_ROUNDS, dtype=torch.int64)
+    m = library().dyn_place_free(
+        ptr(table_keys),
+        ptr(used),
+        ptr(table_scores),
+        ptr(keys),
+        ptr(scores),
+        table_keys.shape[1],
+        table_keys.shape[0],
+        table_scores.element_size(),
+        ptr(seg),
+        None if seg is None else ptr(segments.counts),
+        None if seg is None else ptr(segments.offsets),
+        n,
+        ptr(pos),
+        ptr(order),
+        ptr(rounds),
+        ptr(workspace.get("taken", table_keys.shape[0], (), torch.int32)),
+        threads(),
+    )
+    return pos, order[:m], [r for r in rounds.tolist() if r]

@@ -1,0 +1,222 @@
+"""Every compiled kernel against its plain-torch twin: integers bitwise, on random and
+adversarial keys (one bucket, 0 / -1 / int64 extremes, duplicates), and whole indexes driven
+through the same calls on both backends, compared slot by slot."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynemb.hashing import candidate_buckets
+from dynemb.kernels import uses_native
+from dynemb.kernels.dedup import dedup, dedup_native, dedup_torch
+from dynemb.kernels.locate import locate_native, locate_torch
+from dynemb.table.index import KeyIndex
+from dynemb.workspace import Workspace
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+SPECIAL = [0, -1, INT64_MIN, INT64_MAX, 1, INT64_MIN + 1, INT64_MAX - 1]
+STRATEGIES = ["timestamp", "step", "lfu", "customized", "no_eviction"]
+
+
+def t(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def random_keys(n: int, seed: int, *, low: int = INT64_MIN, high: int = INT64_MAX) -> torch.Tensor:
+    return torch.randint(low, high, (n,), generator=torch.Generator().manual_seed(seed), dtype=torch.int64)
+
+
+def same_bucket_keys(num_buckets: int, n: int) -> list[int]:
+    """n keys whose two candidate buckets are both bucket 0 (so they crowd one bucket)."""
+    found, start = [], 1
+    while len(found) < n:
+        batch = torch.arange(start, start + 1 << 16, dtype=torch.int64)
+        b1, b2 = candidate_buckets(batch, num_buckets)
+        found += batch[(b1 == 0) & (b2 == 0)].tolist()
+        start += 1 << 16
+    return found[:n]
+
+
+def key_batches() -> list[torch.Tensor]:
+    zipf = (torch.distributions.Pareto(1.0, 1.05).sample((5000,)).long() * 7919) % 100_003
+    return [
+        t([]),
+        t([42]),
+        t(SPECIAL),
+        t(SPECIAL * 3),
+        t([5] * 100),
+        random_keys(3000, 1),
+        torch.cat([random_keys(2000, 2), random_keys(2000, 2)[::3]]),
+        zipf,
+        torch.arange(-500, 500),
+    ]
+
+
+def assert_same(a, b) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        if x is None or y is None:
+            assert x is None and y is None
+        else:
+            assert x.dtype == y.dtype and torch.equal(x, y), (x, y)
+
+
+def native_available() -> bool:
+    return uses_native("native", "cpu")
+
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="compiled kernels could not be built")
+
+
+@pytest.mark.parametrize("case", range(len(key_batches())))
+def test_dedup_matches_torch_unique(case):
+    keys = key_batches()[case]
+    unique, useg, inverse, counts, order = dedup_native(keys, grouping=True, workspace=Workspace("cpu"))
+    assert_same((unique, useg, inverse, counts), dedup_torch(keys))
+    # The grouping is the stable sort of the inputs by key.
+    assert torch.equal(order, torch.sort(inverse, stable=True).indices)
+    starts = counts.cumsum(0) - counts
+    assert_same(dedup(keys, native=True, grouping=True)[4], (order, starts))
+
+
+@pytest.mark.parametrize("case", range(len(key_batches())))
+def test_dedup_with_segments_matches_unique_pairs(case):
+    keys = key_batches()[case]
+    seg = torch.randint(0, 4, (keys.numel(),), generator=torch.Generator().manual_seed(case))
+    got = dedup_native(keys, seg, grouping=True)
+    assert_same(got[:4], dedup_torch(keys, seg))
+    assert torch.equal(got[4], torch.sort(got[2], stable=True).indices)
+
+
+def test_dedup_takes_non_contiguous_keys():
+    keys = random_keys(1000, 3)[::2]
+    assert_same(dedup_native(keys)[:4], dedup_torch(keys))
+
+
+def filled_index(backend: str, keys: torch.Tensor, **kwargs) -> KeyIndex:
+    index = KeyIndex(backend=backend, **kwargs)
+    index.find_or_insert(keys, now=1)
+    return index
+
+
+@pytest.mark.parametrize("case", ["random", "special", "one_bucket"])
+def test_locate_matches_torch(case):
+    if case == "one_bucket":
+        held = t(same_bucket_keys(8, 4))
+        probe = torch.cat([held, t(same_bucket_keys(8, 12)), t(SPECIAL)])
+        kwargs = {"capacity": 32, "bucket_capacity": 4}
+    else:
+        held = random_keys(3000, 4) if case == "random" else t(SPECIAL)
+        probe = torch.cat([held, random_keys(1000, 5), t(SPECIAL), held[:10]])
+        kwargs = {"capacity": 1 << 13}
+    index = filled_index("torch", held, **kwargs)
+    b1, b2 = index.candidate_buckets(probe)
+    want = locate_torch(index._keys, index._used, b1, b2, probe, Workspace("cpu"))
+    pos, found, rows = locate_native(index._keys, index._used, index._segments, probe, None, index._rows)
+    assert_same((pos, found), want)
+    assert torch.equal(rows, index.find(probe)[0])
+    assert int(found.sum()) == torch.isin(probe, held).sum()
+
+
+def test_locate_with_segments_matches_torch():
+    index = KeyIndex(capacities=[64, 200, 1000], init_capacities=[16, None, 64], bucket_capacity=8, backend="torch")
+    keys = torch.cat([t(SPECIAL), random_keys(500, 6)])
+    seg = torch.randint(0, 3, (keys.numel(),), generator=torch.Generator().manual_seed(6))
+    index.find_or_insert(keys, now=3, segments=seg)
+    probe_seg = torch.cat([seg, (seg + 1) % 3])
+    probe = torch.cat([keys, keys])
+    b1, b2 = index.candidate_buckets(probe, probe_seg)
+    want = locate_torch(index._keys, index._used, b1, b2, probe, Workspace("cpu"))
+    assert_same(locate_native(index._keys, index._used, index._segments, probe, probe_seg)[:2], want)
+
+
+def index_state(index: KeyIndex) -> list[torch.Tensor]:
+    return [index._keys, index._used, index._rows, index._scores, index.free_list.state()["free"]]
+
+
+def assert_same_index(a: KeyIndex, b: KeyIndex) -> None:
+    assert a.size() == b.size() and a.num_buckets == b.num_buckets and a.counters() == b.counters()
+    for x, y in zip(index_state(a), index_state(b)):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+    assert a.free_list.high_water == b.free_list.high_water and a.free_list.num_free() == b.free_list.num_free()
+
+
+def assert_same_result(x, y) -> None:
+    for name in (
+        "positions",
+        "rows",
+        "found",
+        "inserted",
+        "evicted_keys",
+        "evicted_rows",
+        "evicted_scores",
+        "failed_keys",
+        "evicted_segments",
+        "failed_segments",
+    ):
+        u, v = getattr(x, name), getattr(y, name)
+        assert (u is None) == (v is None), name
+        if u is not None:
+            assert torch.equal(u, v), name
+
+
+def drive(strategy: str, make, batches, *, segments: int = 0) -> None:
+    """The same calls on a torch and a native index; after each, results and slots equal."""
+    pair = [make("torch"), make("native")]
+    assert pair[1].native and not pair[0].native
+    g = torch.Generator().manual_seed(7)
+    for step, keys in enumerate(batches):
+        kw = {}
+        if segments:
+            kw["segments"] = torch.randint(0, segments, (keys.numel(),), generator=g)
+        if strategy == "customized":
+            kw["scores"] = torch.randint(-5, 5, (keys.numel(),), generator=g)
+        elif strategy != "lfu":
+            kw["now"] = step + 1
+        results = [index.find_or_insert(keys, **kw) for index in pair]
+        assert_same_result(*results)
+        assert_same_index(*pair)
+        if step % 3 == 2:
+            gone = keys[::4]
+            seg_kw = {"segments": kw["segments"][::4]} if segments else {}
+            assert_same_result(*[index.erase(gone, **seg_kw) for index in pair])
+            assert_same_index(*pair)
+        found = [index.find(keys, **({"segments": kw["segments"]} if segments else {})) for index in pair]
+        assert_same(found[0], found[1])
+
+
+def stream(seed: int, n_batches: int, size: int, key_range: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = [torch.randint(0, key_range, (size,), generator=g) * 1_000_003 - key_range for _ in range(n_batches)]
+    out[1] = torch.cat([out[1], t(SPECIAL)])
+    return out
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_index_on_both_backends_same_slots_while_growing_and_evicting(strategy):
+    # Grows from 64 slots to 512, then evicts (or fails under no_eviction) for the rest.
+    batches = stream(1, 14, 150, 2000)
+    drive(strategy, lambda backend: KeyIndex(capacity=512, init_capacity=64, bucket_capacity=8, score_strategy=strategy, backend=backend), batches)
+
+
+@pytest.mark.parametrize("strategy", ["timestamp", "lfu", "customized"])
+def test_segmented_index_on_both_backends_same_slots(strategy):
+    batches = stream(2, 10, 200, 700)
+    drive(
+        strategy,
+        lambda backend: KeyIndex(capacities=[100, 300, 64], init_capacities=[32, None, 16], bucket_capacity=4, score_strategy=strategy, backend=backend),
+        batches,
+        segments=3,
+    )
+
+
+def test_crowded_bucket_on_both_backends_same_slots():
+    keys = t(same_bucket_keys(16, 40))
+    batches = [keys[:5], keys[3:20], keys[10:40], keys[::2], t(SPECIAL), keys]
+    drive("step", lambda backend: KeyIndex(capacity=64, bucket_capacity=4, backend=backend), batches)
+
+
+def test_large_batch_on_both_backends_same_slots():
+    batches = [random_keys(20_000, 8, low=-(10**6), high=10**6) for _ in range(3)]
+    drive("timestamp", lambda backend: KeyIndex(capacity=1 << 15, init_capacity=1 << 12, backend=backend), batches)
