@@ -24,6 +24,7 @@ SIGNATURES = {
     "dyn_locate": "ppiippppipppipi",
     "dyn_place_free": "pppppiiipppippppi",
     "dyn_dedup": "pippppppipi",
+    "dyn_rows_update": "pippiiiiddddddpi",
 }
 _CODES = {"p": PTR, "i": I64, "d": F64}
 

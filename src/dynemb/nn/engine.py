@@ -23,9 +23,10 @@ from collections.abc import Callable, Iterator
 import torch
 
 from dynemb.config import TableConfig
+from dynemb.kernels.update import update_rows_native
 from dynemb.nn.base import Resolved
 from dynemb.nn.changes import ChangeLog
-from dynemb.nn.functional import leaving_contents, screen_update, with_initial_state
+from dynemb.nn.functional import leaving_contents, native_update_spec, screen_update, update_by_step, with_initial_state
 from dynemb.nn.tiering import check_memory, default_store, group_key, touch_resolved
 from dynemb.optim.base import RowOptimizer
 from dynemb.storage.base import FlushableStore, KeyedRowStore, RowStore, TierStats, Touchable
@@ -365,27 +366,22 @@ class Engine:
                 sel = found.nonzero().squeeze(1)
                 keys, rows, grads, segments = keys.index_select(0, sel), rows.index_select(0, sel), grads.index_select(0, sel), _select(segments, sel)
                 data = None
-            if data is None:
-                data = self.store.gather(rows)
             new_steps = list(self.optimizer_steps)
             for s in range(self.num_tables) if stepped is None else stepped:
                 new_steps[s] += 1
             D = self.embedding_dim
             steps = set(new_steps)
-            if len(steps) == 1:
-                self.optimizer.update_rows(data, D, grads, steps.pop())
+            spec = native_update_spec(self.index.native, self.optimizer, self.store, grads, steps, nonfinite)
+            if spec is not None:
+                # The compiled kernel: one pass over the rows in the store, non-finite rows kept.
+                bad = update_rows_native(self.store.data, rows, grads, spec, check=nonfinite is NonFiniteGrads.SKIP)
             else:
-                # Tables at different step counts (restored apart): one update per count.
-                step_of = torch.tensor(new_steps, device=self.device).index_select(0, segments)
-                for step in sorted(steps):
-                    sel = (step_of == step).nonzero().squeeze(1)
-                    if sel.numel():
-                        part = data.index_select(0, sel)
-                        self.optimizer.update_rows(part, D, grads.index_select(0, sel), step)
-                        data.index_copy_(0, sel, part)
-            tables = None if segments is None else (lambda bad: sorted({self.configs[s].name for s in segments[bad].tolist()}))
-            # Raises (under 'raise') before anything is written: rows, step counts and counters.
-            bad = screen_update(keys, grads, data, nonfinite, agree=agree, tables=tables)
+                if data is None:
+                    data = self.store.gather(rows)
+                update_by_step(self.optimizer, data, D, grads, new_steps, segments, self.index.native)
+                tables = None if segments is None else (lambda bad: sorted({self.configs[s].name for s in segments[bad].tolist()}))
+                # Raises (under 'raise') before anything is written: rows, step counts and counters.
+                bad = screen_update(keys, grads, data, nonfinite, agree=agree, tables=tables)
             if bad is not None:
                 skipped = int(bad.sum())
                 if segments is None:
@@ -394,9 +390,10 @@ class Engine:
                     for s, n in enumerate(torch.bincount(segments[bad], minlength=self.num_tables).tolist()):
                         self.nonfinite_grads[s] += n
                 sel = (~bad).nonzero().squeeze(1)
-                rows, data = rows.index_select(0, sel), data.index_select(0, sel)
+                rows, data = rows.index_select(0, sel), _select(data, sel)
             self.optimizer_steps[:] = new_steps
-            self.store.scatter(rows, data)
+            if spec is None:
+                self.store.scatter(rows, data)
             if self.changes is not None:
                 self.changes.touch(rows)
             self.version += 1

@@ -13,8 +13,10 @@ from collections.abc import Callable
 
 import torch
 
+from dynemb.kernels.update import update_rows_native
 from dynemb.optim.base import RowOptimizer
 from dynemb.storage.base import RowStore
+from dynemb.storage.device_store import DeviceRowStore
 from dynemb.table.base import IndexResult
 from dynemb.types import NonFiniteGrads
 
@@ -54,6 +56,54 @@ def warn_nonfinite_keys(bad: torch.Tensor, what: str) -> None:
 
 def _shown(keys: torch.Tensor) -> str:
     return f"{keys.numel()} key(s) {keys[:8].tolist()}{' ...' if keys.numel() > 8 else ''}"
+
+
+def update_rows(optimizer: RowOptimizer, data: torch.Tensor, D: int, grads: torch.Tensor, step: int, native: bool) -> None:
+    """One optimizer step at ``step`` on rows ``data`` ([U, D+S], in place) with ``grads``
+    ([U, D]): by the compiled kernel on a native table where it knows the optimizer and the
+    rows are float32 (so that every store of a native table gets the same arithmetic), else by
+    :meth:`RowOptimizer.update_rows`."""
+    spec = optimizer.native_update(step) if native and data.dtype == grads.dtype == torch.float32 else None
+    if spec is None:
+        optimizer.update_rows(data, D, grads, step)
+    elif data.is_contiguous():
+        update_rows_native(data, torch.arange(data.shape[0], device=data.device), grads, spec, check=False)
+    else:
+        work = data.contiguous()
+        update_rows_native(work, torch.arange(work.shape[0], device=data.device), grads, spec, check=False)
+        data.copy_(work)
+
+
+def update_by_step(optimizer: RowOptimizer, data: torch.Tensor, D: int, grads: torch.Tensor, steps: list[int], segments: torch.Tensor | None, native: bool) -> None:
+    """:func:`update_rows` with each row at its table's step count (``steps``, one per table;
+    ``segments`` [U] the table of each row, None for one table). Tables at different counts
+    (restored apart) update apart."""
+    if len(set(steps)) == 1:
+        update_rows(optimizer, data, D, grads, steps[0], native)
+        return
+    step_of = torch.tensor(steps, device=data.device).index_select(0, segments)
+    for step in sorted(set(steps)):
+        sel = (step_of == step).nonzero().squeeze(1)
+        if sel.numel():
+            part = data.index_select(0, sel)
+            update_rows(optimizer, part, D, grads.index_select(0, sel), step, native)
+            data.index_copy_(0, sel, part)
+
+
+def native_update_spec(
+    native: bool, optimizer: RowOptimizer, store: RowStore, grads: torch.Tensor, steps: set[int], policy: NonFiniteGrads
+) -> dict | None:
+    """The compiled update kernel's step when it can update this batch's rows in the store in
+    place (:func:`dynemb.kernels.update.update_rows_native`), else None (then the rows are
+    gathered, updated by :func:`update_by_step` and written back): a native table whose rows
+    are one float32 tensor (no tiers, no cache), one step count, an optimizer the kernel knows,
+    and nonfinite_grads ``skip`` or ``apply`` (``raise`` checks every row before writing any,
+    which the one-pass kernel does not)."""
+    if not native or len(steps) != 1 or policy is NonFiniteGrads.RAISE or type(store) is not DeviceRowStore:
+        return None
+    if store.data.dtype != torch.float32 or grads.dtype != torch.float32 or not store.data.is_contiguous():
+        return None
+    return optimizer.native_update(next(iter(steps)))
 
 
 def screen_update(

@@ -206,6 +206,13 @@ class RowOptimizer(torch.optim.Optimizer, abc.ABC):
             step: 1-based count of updates this table has applied, this one included.
         """
 
+    def native_update(self, step: int) -> dict[str, object] | None:
+        """This optimizer's step at ``step`` as the compiled update kernel takes it (see
+        :func:`dynemb.kernels.update.update_rows_native`), or None where it has no native twin
+        (then the engine runs :meth:`update_rows`). A subclass that changes :meth:`update`
+        must return None here unless the kernel does what it does."""
+        return None
+
     def check_row_dtype(self, dtype: torch.dtype, where: str = "a table") -> None:
         """Raise ``ValueError`` naming ``dtype`` if this optimizer cannot train rows of ``dtype``."""
         if dtype not in self.row_dtypes:

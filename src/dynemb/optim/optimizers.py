@@ -26,6 +26,12 @@ def _betas(betas: Any) -> tuple[float, float]:
     return float(betas[0]), float(betas[1])
 
 
+def _native(cls: type, optimizer: RowOptimizer, spec: dict) -> dict | None:
+    """``spec`` unless ``optimizer``'s class overrides ``cls``'s update (then the kernel would
+    not do what it does)."""
+    return spec if type(optimizer).update is cls.update else None
+
+
 class SGD(RowOptimizer):
     """w -= lr * (g + weight_decay * w). Matches torch.optim.SGD (no momentum)."""
 
@@ -42,6 +48,9 @@ class SGD(RowOptimizer):
         if weight_decay:
             grad = grad.add(weight, alpha=weight_decay)
         weight.add_(grad, alpha=-self.lr)
+
+    def native_update(self, step):
+        return _native(SGD, self, {"kind": "sgd", "lr": self.lr, "weight_decay": self.weight_decay})
 
 
 class Adagrad(RowOptimizer):
@@ -73,6 +82,10 @@ class Adagrad(RowOptimizer):
         state.addcmul_(grad, grad)
         weight.addcdiv_(grad, state.sqrt().add_(self.eps), value=-clr)
 
+    def native_update(self, step):
+        clr = self.lr / (1 + (step - 1) * self.lr_decay)
+        return _native(Adagrad, self, {"kind": "adagrad", "lr": self.lr, "weight_decay": self.weight_decay, "eps": self.eps, "a": clr})
+
 
 class RowWiseAdagrad(RowOptimizer):
     """FBGEMM's row-wise Adagrad: one accumulator per row (S = 1).
@@ -99,6 +112,9 @@ class RowWiseAdagrad(RowOptimizer):
             grad = grad.add(weight, alpha=weight_decay)
         state.add_(grad.square().mean(1, keepdim=True))  # [U, 1]
         weight.addcdiv_(grad, state.sqrt().add_(self.eps), value=-self.lr)
+
+    def native_update(self, step):
+        return _native(RowWiseAdagrad, self, {"kind": "rowwise_adagrad", "lr": self.lr, "weight_decay": self.weight_decay, "eps": self.eps})
 
 
 class Adam(RowOptimizer):
@@ -132,3 +148,9 @@ class Adam(RowOptimizer):
         exp_avg_sq.add_(grad.square().sub_(exp_avg_sq).mul_(1 - beta2))
         step_size = self.lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
         weight.addcdiv_(exp_avg, exp_avg_sq.sqrt().add_(self.eps), value=-step_size)
+
+    def native_update(self, step):
+        beta1, beta2 = self.betas
+        step_size = self.lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+        spec = {"kind": "adam", "lr": self.lr, "weight_decay": self.weight_decay, "eps": self.eps, "a": 1 - beta1, "b": 1 - beta2, "c": step_size}
+        return _native(Adam, self, spec)

@@ -1,0 +1,85 @@
+// Native twin of update.py's update_rows_torch: one optimizer step on float32 rows of the store
+// in place, by row id, with the gradient summed per key; rows whose gradient or update is not
+// finite are left unchanged and flagged (nonfinite_grads="skip"). U rows, D embedding columns,
+// S state columns, width = D + S. The arithmetic follows dynemb/optim/optimizers.py op by op
+// in float32 (the row-wise mean is a plain sum, so it may differ from torch's in the last bits).
+#include <cmath>
+#include <vector>
+
+#include "common.h"
+
+using namespace dynemb;
+
+enum Kind : int64_t { SGD = 0, ADAGRAD = 1, ROWWISE_ADAGRAD = 2, ADAM = 3 };
+
+extern "C" int64_t dyn_rows_update(
+    float* table,        // [R, width] the store's rows
+    int64_t width,
+    const int64_t* rows, // [U] row ids, distinct, each in [0, R)
+    const float* grad,   // [U, D] rows of grad_stride floats
+    int64_t grad_stride,
+    int64_t n, int64_t D, int64_t kind,
+    double lr_, double weight_decay_, double eps_,
+    double a_, double b_, double c_,  // Adagrad: a = the decayed lr; Adam: a, b = 1 - beta1, 1 - beta2, c = step size
+    bool* bad,           // [U] out, or null: apply whatever comes (nonfinite_grads="apply")
+    int64_t nthreads) {
+  const float lr = static_cast<float>(lr_), wd = static_cast<float>(weight_decay_), eps = static_cast<float>(eps_);
+  const float a = static_cast<float>(a_), b = static_cast<float>(b_), c = static_cast<float>(c_);
+  int64_t n_bad = 0;
+#pragma omp parallel num_threads(threads(nthreads, n, 256)) reduction(+ : n_bad)
+  {
+    std::vector<float> g(D), out(width);
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < n; ++u) {
+      float* row = table + rows[u] * width;
+      const float* gu = grad + u * grad_stride;
+      for (int64_t j = 0; j < D; ++j) g[j] = wd != 0.0f ? gu[j] + wd * row[j] : gu[j];
+      bool finite = true;
+      if (bad)
+        for (int64_t j = 0; j < D; ++j) finite &= std::isfinite(gu[j]);
+      switch (kind) {
+        case SGD:
+          for (int64_t j = 0; j < D; ++j) out[j] = row[j] + (-lr) * g[j];
+          break;
+        case ADAGRAD: {
+          for (int64_t j = 0; j < D; ++j) {
+            const float s = row[D + j] + g[j] * g[j];
+            out[D + j] = s;
+            out[j] = row[j] + (-a) * (g[j] / (std::sqrt(s) + eps));
+          }
+          break;
+        }
+        case ROWWISE_ADAGRAD: {
+          float sum = 0.0f;
+          for (int64_t j = 0; j < D; ++j) sum += g[j] * g[j];
+          const float s = row[D] + sum / static_cast<float>(D);
+          out[D] = s;
+          const float denom = std::sqrt(s) + eps;
+          for (int64_t j = 0; j < D; ++j) out[j] = row[j] + (-lr) * (g[j] / denom);
+          break;
+        }
+        case ADAM: {
+          for (int64_t j = 0; j < D; ++j) {
+            const float m0 = row[D + j], v0 = row[2 * D + j];
+            const float m = m0 + a * (g[j] - m0);
+            const float v = v0 + (g[j] * g[j] - v0) * b;
+            out[D + j] = m;
+            out[2 * D + j] = v;
+            out[j] = row[j] + (-c) * (m / (std::sqrt(v) + eps));
+          }
+          break;
+        }
+      }
+      if (bad) {
+        for (int64_t j = 0; j < width; ++j) finite &= std::isfinite(out[j]);
+        bad[u] = !finite;
+        if (!finite) {
+          ++n_bad;
+          continue;
+        }
+      }
+      for (int64_t j = 0; j < width; ++j) row[j] = out[j];
+    }
+  }
+  return n_bad;
+}

@@ -1,0 +1,74 @@
+"""One optimizer step on a store's rows, by row id, with the gradient summed per key.
+
+U rows, D embedding columns, S optimizer state columns. The plain-torch twin is
+``update_rows_torch`` (gather, :meth:`dynemb.optim.RowOptimizer.update_rows`, screen, scatter);
+``update_rows_native`` runs ``update.cpp``: one pass over the rows in the store, float32 rows
+only, for the optimizers whose ``native_update`` describes their step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dynemb.kernels import library, ptr, threads
+
+# The optimizers update.cpp knows, by the kind code their native_update() gives.
+KINDS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2, "adam": 3}
+
+
+def update_rows_native(table: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor, spec: dict, *, check: bool) -> torch.Tensor | None:
+    """Update ``table``'s rows ``rows`` in place; rows whose gradient or result is not finite
+    are left unchanged with ``check``.
+
+    Args:
+        table (Tensor[float32]): [R, D+S] contiguous, the store's rows.
+        rows (Tensor[int64]): [U] distinct row ids.
+        grads (Tensor[float32]): [U, D] the gradient summed per key (rows may be strided).
+        spec: the optimizer's step, from ``RowOptimizer.native_update(step)``: ``kind`` (a key of
+            :data:`KINDS`), ``lr``, ``weight_decay``, ``eps``, and ``a``, ``b``, ``c`` (Adagrad:
+            a = the decayed lr; Adam: a = 1 - beta1, b = 1 - beta2, c = the step size).
+        check: flag non-finite rows (nonfinite_grads="skip"); without it every row is written.
+    Returns:
+        Tensor[bool] [U] of the rows left unchanged, or None (none, or ``check`` off).
+    """
+    n, D = grads.shape
+    rows = rows.contiguous()
+    if grads.stride(1) != 1:
+        grads = grads.contiguous()
+    bad = torch.empty(n, dtype=torch.bool) if check else None
+    n_bad = library().dyn_rows_update(
+        ptr(table),
+        table.shape[1],
+        ptr(rows),
+        ptr(grads),
+        grads.stride(0),
+        n,
+        D,
+        KINDS[spec["kind"]],
+        spec["lr"],
+        spec.get("weight_decay", 0.0),
+        spec.get("eps", 0.0),
+        spec.get("a", 0.0),
+        spec.get("b", 0.0),
+        spec.get("c", 0.0),
+        ptr(bad),
+        threads(),
+    )
+    return bad if n_bad else None
+
+
+def update_rows_torch(optimizer, table: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor, step: int, *, check: bool) -> torch.Tensor | None:
+    """The plain-torch twin of :func:`update_rows_native`: gather the rows, run ``optimizer``'s
+    :meth:`update_rows` (a :class:`dynemb.optim.RowOptimizer`) at ``step``, write back the rows
+    that stayed finite (all of them without ``check``). Same arguments and result."""
+    D = grads.shape[1]
+    data = table.index_select(0, rows)
+    optimizer.update_rows(data, D, grads, step)
+    bad = None
+    if check:
+        bad = ~(torch.isfinite(grads).all(1) & torch.isfinite(data).all(1))
+        keep = (~bad).nonzero().squeeze(1)
+        rows, data = rows.index_select(0, keep), data.index_select(0, keep)
+        bad = bad if bool(bad.any()) else None
+    table.index_copy_(0, rows, data)
+    return bad
