@@ -88,10 +88,15 @@ def init_bits(keys: torch.Tensor, seed: int, columns: int, out: torch.Tensor | N
     Returns:
         Tensor[int64]: [N, C]
     """
-    salt = _signed((seed * _GOLDEN + 0x632BE59BD9B4E019) & ((1 << 64) - 1))
+    salt, col = init_salt_and_columns(seed, columns, keys.device)  # col: [C], odd
     base = mix64(keys ^ salt)  # [N]
-    col = mix64(torch.arange(columns, device=keys.device, dtype=torch.int64) ^ ~salt) | 1  # [D], odd
     return torch.mul(base[:, None], col, out=out) if out is not None else base[:, None] * col
+
+
+def init_salt_and_columns(seed: int, columns: int, device: torch.device | str = "cpu") -> tuple[int, torch.Tensor]:
+    """The salt (an int64) and the C odd column multipliers ([C] int64) of :func:`init_bits`."""
+    salt = _signed((seed * _GOLDEN + 0x632BE59BD9B4E019) & ((1 << 64) - 1))
+    return salt, mix64(torch.arange(columns, device=device, dtype=torch.int64) ^ ~salt) | 1
 
 
 def unit_uniform(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

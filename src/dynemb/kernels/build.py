@@ -25,6 +25,7 @@ SIGNATURES = {
     "dyn_place_free": "pppppiiipppippppi",
     "dyn_dedup": "pippppppipi",
     "dyn_rows_update": "pippiiiiddddddpi",
+    "dyn_init_rows": "pippiiipdddi",
 }
 _CODES = {"p": PTR, "i": I64, "d": F64}
 
@@ -74,7 +75,7 @@ def build() -> ctypes.CDLL:
         cpp_extension.load(
             name=name,
             sources=[str(p) for p in sources()],
-            extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", f"-I{HERE}"],
+            extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", f"-I{HERE}"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(folder),
             is_python_module=False,

@@ -26,7 +26,7 @@ from dynemb.config import TableConfig
 from dynemb.kernels.update import update_rows_native
 from dynemb.nn.base import Resolved
 from dynemb.nn.changes import ChangeLog
-from dynemb.nn.functional import leaving_contents, native_update_spec, screen_update, update_by_step, with_initial_state
+from dynemb.nn.functional import init_rows_in_place, leaving_contents, native_update_spec, screen_update, update_by_step, with_initial_state
 from dynemb.nn.tiering import check_memory, default_store, group_key, touch_resolved
 from dynemb.optim.base import RowOptimizer
 from dynemb.storage.base import FlushableStore, KeyedRowStore, RowStore, TierStats, Touchable
@@ -287,7 +287,9 @@ class Engine:
                 touch_resolved(self.index, self.store, sub, r.rows, sub_seg)
             if init_rows and bool(r.inserted.any()):
                 new = r.inserted.nonzero().squeeze(1)
-                self.store.scatter(r.rows.index_select(0, new), self.new_rows(sub.index_select(0, new), _select(sub_seg, new)))
+                rows, new_keys, new_segs = r.rows.index_select(0, new), sub.index_select(0, new), _select(sub_seg, new)
+                if not init_rows_in_place(self, rows, new_keys, new_segs):
+                    self.store.scatter(rows, self.new_rows(new_keys, new_segs))
             evicted_segments = None if segments is None else r.evicted_segments
             if self.changes is not None:
                 self.changes.touch(r.rows)

@@ -13,12 +13,13 @@ from collections.abc import Callable
 
 import torch
 
+from dynemb.kernels.init import init_rows_native
 from dynemb.kernels.update import update_rows_native
 from dynemb.optim.base import RowOptimizer
 from dynemb.storage.base import RowStore
 from dynemb.storage.device_store import DeviceRowStore
 from dynemb.table.base import IndexResult
-from dynemb.types import NonFiniteGrads
+from dynemb.types import InitKind, NonFiniteGrads
 
 
 def nonfinite_rows(values: torch.Tensor) -> torch.Tensor | None:
@@ -74,7 +75,9 @@ def update_rows(optimizer: RowOptimizer, data: torch.Tensor, D: int, grads: torc
         data.copy_(work)
 
 
-def update_by_step(optimizer: RowOptimizer, data: torch.Tensor, D: int, grads: torch.Tensor, steps: list[int], segments: torch.Tensor | None, native: bool) -> None:
+def update_by_step(
+    optimizer: RowOptimizer, data: torch.Tensor, D: int, grads: torch.Tensor, steps: list[int], segments: torch.Tensor | None, native: bool
+) -> None:
     """:func:`update_rows` with each row at its table's step count (``steps``, one per table;
     ``segments`` [U] the table of each row, None for one table). Tables at different counts
     (restored apart) update apart."""
@@ -90,9 +93,7 @@ def update_by_step(optimizer: RowOptimizer, data: torch.Tensor, D: int, grads: t
             data.index_copy_(0, sel, part)
 
 
-def native_update_spec(
-    native: bool, optimizer: RowOptimizer, store: RowStore, grads: torch.Tensor, steps: set[int], policy: NonFiniteGrads
-) -> dict | None:
+def native_update_spec(native: bool, optimizer: RowOptimizer, store: RowStore, grads: torch.Tensor, steps: set[int], policy: NonFiniteGrads) -> dict | None:
     """The compiled update kernel's step when it can update this batch's rows in the store in
     place (:func:`dynemb.kernels.update.update_rows_native`), else None (then the rows are
     gathered, updated by :func:`update_by_step` and written back): a native table whose rows
@@ -104,6 +105,28 @@ def native_update_spec(
     if store.data.dtype != torch.float32 or grads.dtype != torch.float32 or not store.data.is_contiguous():
         return None
     return optimizer.native_update(next(iter(steps)))
+
+
+def init_rows_in_place(engine, rows: torch.Tensor, keys: torch.Tensor, segments: torch.Tensor | None) -> bool:
+    """Write the initial rows of new keys [n] (of tables ``segments`` [n]) at row ids [n] by
+    the compiled kernel, straight into the store (:func:`dynemb.kernels.init.init_rows_native`),
+    and say so; False (nothing written) where it cannot: a table not native, rows not one
+    float32 tensor, an initializer other than per-key uniform, or an optimizer state that does
+    not start at a constant. The rows are bitwise those :meth:`Engine.new_rows` gives."""
+    store, optimizer = engine.store, engine.optimizer
+    if not engine.index.native or type(store) is not DeviceRowStore or store.data.dtype != torch.float32 or not store.data.is_contiguous():
+        return False
+    state_value = 0.0 if optimizer is None else optimizer.initial_state_value()
+    inits = [engine.initializers[members[0]] for members in engine.init_groups]
+    if state_value is None or any(i.config.kind is not InitKind.UNIFORM or not i.config.per_key for i in inits):
+        return False
+    for members, init in zip(engine.init_groups, inits):
+        sel = None
+        if len(inits) > 1:
+            sel = torch.isin(segments, torch.tensor(members, device=keys.device)).nonzero().squeeze(1)
+        part_rows, part_keys = (rows, keys) if sel is None else (rows.index_select(0, sel), keys.index_select(0, sel))
+        init_rows_native(store.data, part_rows, part_keys, engine.embedding_dim, init.seed, init.low, init.high, state_value)
+    return True
 
 
 def screen_update(

@@ -195,6 +195,12 @@ class RowOptimizer(torch.optim.Optimizer, abc.ABC):
         """Fill the state of new rows in place (Tensor: [n, S]); zeros unless overridden."""
         state.zero_()
 
+    def initial_state_value(self) -> float | None:
+        """The constant :meth:`init_state` fills every state column with, or None when it is
+        not one constant (a subclass overriding init_state): the compiled row initialisation
+        writes it."""
+        return 0.0 if type(self).init_state is RowOptimizer.init_state else None
+
     @abc.abstractmethod
     def update(self, weight: torch.Tensor, state: torch.Tensor, grad: torch.Tensor, step: int) -> None:
         """Apply one step in place.

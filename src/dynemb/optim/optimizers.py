@@ -74,6 +74,9 @@ class Adagrad(RowOptimizer):
     def init_state(self, state):
         state.fill_(self.initial_accumulator_value)
 
+    def initial_state_value(self):
+        return self.initial_accumulator_value if type(self).init_state is Adagrad.init_state else None
+
     def update(self, weight, state, grad, step):
         weight_decay = self.weight_decay
         if weight_decay:
@@ -105,6 +108,9 @@ class RowWiseAdagrad(RowOptimizer):
 
     def init_state(self, state):
         state.fill_(self.initial_accumulator_value)
+
+    def initial_state_value(self):
+        return self.initial_accumulator_value if type(self).init_state is RowWiseAdagrad.init_state else None
 
     def update(self, weight, state, grad, step):
         weight_decay = self.weight_decay

@@ -1,0 +1,50 @@
+"""The compiled row initialisation against its plain-torch twin: bitwise the same rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dynemb
+from dynemb.kernels import uses_native
+from dynemb.kernels.init import init_rows_native, init_rows_torch
+from dynemb.storage.initializers import RowInitializer
+
+pytestmark = pytest.mark.skipif(not uses_native("native", "cpu"), reason="compiled kernels could not be built")
+
+KEYS = [0, -1, 2**63 - 1, -(2**63), 1, 12345, -987654321, 2**40 + 3]
+
+
+@pytest.mark.parametrize("D", [1, 2, 7, 64, 129])
+@pytest.mark.parametrize("optimizer", [None, dynemb.optim.RowWiseAdagrad(initial_accumulator_value=0.5), dynemb.optim.Adam()])
+def test_rows_bitwise_like_the_initializer(D, optimizer):
+    config = dynemb.Initializer(low=-0.3, high=0.7) if D == 7 else dynemb.Initializer()
+    init = RowInitializer(config, D, 11, torch.float32, torch.device("cpu"))
+    keys = torch.tensor(KEYS + list(range(100, 400, 7)), dtype=torch.int64)
+    width = D + (0 if optimizer is None else optimizer.state_dim(D))
+    rows = torch.randperm(500, generator=torch.Generator().manual_seed(D))[: keys.numel()]
+    ours = torch.full((500, width), float("nan"))
+    theirs = ours.clone()
+    state = 0.0 if optimizer is None else optimizer.initial_state_value()
+    init_rows_native(ours, rows, keys, D, 11, init.low, init.high, state)
+    init_rows_torch(theirs, rows, init(keys), optimizer)
+    assert torch.equal(ours.nan_to_num(7.0), theirs.nan_to_num(7.0))
+
+
+def test_a_table_writes_the_same_rows_on_both_backends():
+    keys = torch.tensor(KEYS * 2 + list(range(1000)))
+    tables = [dynemb.DynamicEmbedding(9, 4096, optimizer=dynemb.optim.Adagrad(initial_accumulator_value=0.1), backend=b, seed=3) for b in ("torch", "native")]
+    for t in tables:
+        t(keys)
+    exports = [next(t.export()) for t in tables]
+    for name in ("keys", "embeddings"):
+        assert torch.equal(*[e[name] for e in exports]), name
+
+
+def test_a_custom_initial_state_has_no_native_value():
+    class Ones(dynemb.optim.RowWiseAdagrad):
+        def init_state(self, state):
+            state.fill_(1.0)
+
+    assert Ones().initial_state_value() is None
+    assert dynemb.optim.Adagrad(initial_accumulator_value=0.2).initial_state_value() == 0.2
