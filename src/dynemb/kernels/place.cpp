@@ -32,7 +32,8 @@ extern "C" int64_t dyn_place_free(
     int64_t* pos,                // [P] out
     int64_t* order,              // [P] out: the first (return value) entries are slots
     int64_t* rounds,             // [MAX_ROUNDS] out: slots taken in each round (0 after the last)
-    int32_t* taken,              // [B] scratch (the caller's reused buffer)
+    int64_t* scratch,            // [2 * cap] the caller's reused buffer
+    int64_t cap,                 // a power of two >= 2P: the per-round bucket counts' hash table
     int64_t nthreads) {
   Candidates cand{seg, seg_counts, seg_offsets, total_buckets};
   std::vector<int64_t> b1(n), b2(n), chosen(n), nfree(n), todo(n);
@@ -42,8 +43,21 @@ extern "C" int64_t dyn_place_free(
     todo[i] = i;
   }
   int64_t n_todo = n, n_placed = 0;
-  // Keys already given a slot in this round, per bucket (reset after each round).
-  std::fill(taken, taken + total_buckets, 0);
+  // Keys already given a slot in this round, per bucket: a hash table of (bucket + 1, count)
+  // over at most P buckets, so the cost follows the batch, not the index (reset every round).
+  int64_t* table_bucket = scratch;
+  int64_t* table_count = scratch + cap;
+  const uint64_t mask = static_cast<uint64_t>(cap - 1);
+  std::fill(table_bucket, table_bucket + cap, 0);
+  auto taken = [&](int64_t bucket) -> int64_t& {
+    uint64_t h = mix64(static_cast<uint64_t>(bucket)) & mask;
+    while (table_bucket[h] != 0 && table_bucket[h] != bucket + 1) h = (h + 1) & mask;
+    if (table_bucket[h] == 0) {
+      table_bucket[h] = bucket + 1;
+      table_count[h] = 0;
+    }
+    return table_count[h];
+  };
   std::vector<int64_t> round_slots;
   int round_no = 0;
   for (int r = 0; r < MAX_ROUNDS; ++r) rounds[r] = 0;
@@ -73,7 +87,7 @@ extern "C" int64_t dyn_place_free(
       const int64_t b = chosen[i];
       bool fits = false;
       if (b >= 0) {
-        const int64_t r = taken[b]++;
+        const int64_t r = taken(b)++;
         const int64_t limit = halve ? (nfree[i] + 1) / 2 : nfree[i];
         fits = r < limit;
       }
@@ -92,11 +106,7 @@ extern "C" int64_t dyn_place_free(
       pos[i] = slot;
       round_slots.push_back(slot);
     }
-    for (int64_t t = 0; t < n_todo; ++t) {
-      const int64_t b = chosen[todo[t]];
-      if (b >= 0) taken[b] = 0;
-    }
-    for (int64_t s : round_slots) taken[s / W] = 0;
+    std::fill(table_bucket, table_bucket + cap, 0);
     std::sort(round_slots.begin(), round_slots.end());
     std::copy(round_slots.begin(), round_slots.end(), order + n_placed);
     n_placed += static_cast<int64_t>(round_slots.size());
