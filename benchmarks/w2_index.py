@@ -1,5 +1,5 @@
-"""W2, index micro-benchmark: dynemb.KeyIndex find / find_or_insert at load factors 0.5 and 0.9,
-and how full the index gets before its first eviction.
+"""W2, index micro-benchmark: dynemb.KeyIndex find / find_or_insert / insert at load factors 0.5
+and 0.9, and how full the index gets before its first eviction.
 
 N keys per call, C index capacity, P keys present in the index.
 
@@ -7,8 +7,10 @@ The index (C = 2**22 slots, the default bucket width, timestamp scores; the cloc
 call count) is filled with random int64 keys to the target load factor; then, per repeat,
 ``steps`` calls of N keys are timed. ``find`` queries present keys drawn uniformly (with
 repeats); ``find_or_insert`` queries the same mix with a fraction NEW_FRACTION of never-seen
-keys. After each timed find_or_insert call the new keys are erased (untimed), so every call runs
-at the target load factor.
+keys; ``insert`` is a find_or_insert of N never-seen keys. After each timed find_or_insert or
+insert call the new keys are erased (untimed), so every call runs at the target load factor.
+The index runs the backend its options choose (``auto``: the compiled kernels where they build;
+``DYNEMB_BACKEND=torch`` measures the plain-torch index).
 
 First eviction (untimed): a fresh index of the same options takes distinct random keys in
 batches of N until a call evicts or fails a key; the load factor then is recorded and must be
@@ -244,6 +246,11 @@ class _Session:
             self.next_new += n_new
             q = torch.cat([self._sample(present, KEYS_PER_CALL - n_new), fresh[-1]])
             upserts.append(q.index_select(0, torch.randperm(KEYS_PER_CALL, generator=self.gen)))
+        # insert: calls of new keys only (erased again after each, untimed).
+        inserts = []
+        for _ in range(cfg.steps):
+            inserts.append(distinct_keys(self.next_new, KEYS_PER_CALL))
+            self.next_new += KEYS_PER_CALL
         found = sum(int(index.find(q)[1].sum()) for q in upserts)
         self.found_fraction.append(found / (cfg.steps * KEYS_PER_CALL))
         d, sa = self.dict_index, self.sorted_index
@@ -261,7 +268,14 @@ class _Session:
             size = index.size()
             ledger.erased(fresh[i], size, index.erase(fresh[i]))
 
+        def check_and_erase_insert(i: int) -> None:
+            ledger.inserted(inserts[i], last["size"], last["result"])
+            size = index.size()
+            ledger.erased(inserts[i], size, index.erase(inserts[i]))
+
         runs = [
+            (("insert", "dynemb"), upsert, inserts, check_and_erase_insert),
+            (("insert", "dict"), d.find_or_insert, inserts, lambda i: d.erase(inserts[i])),
             (("find", "dynemb"), index.find, finds, None),
             (("find", "dict"), d.find, finds, None),
             (("find", "sorted-array"), sa.find, finds, None),
@@ -327,7 +341,7 @@ def run(cfg: W2Config, env: dict, log=print) -> list[dict]:
             "capacity": capacity,
             "bucket_capacity": BUCKET_CAPACITY,
         }
-        for op in ("find", "find_or_insert"):
+        for op in ("find", "find_or_insert", "insert"):
             refs = ("dict", "sorted-array") if op == "find" else ("dict",)
             case = f"{op}@{load}"
             ratios = {ref: paired_ratio(rates[(op, "dynemb")], rates[(op, ref)], ref) for ref in refs}
