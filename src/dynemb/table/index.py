@@ -194,9 +194,13 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
             return
         low, high = torch.stack(torch.aminmax(values)).tolist()  # one host sync
         if low < SCORE_MIN or high > SCORE_MAX:
-            with torch.inference_mode(False):
-                self._score_dtype = torch.int64
-                self._scores = self._scores.to(torch.int64)
+            self._widen_scores()
+
+    def _widen_scores(self) -> None:
+        """Store scores as int64 from now on (0035)."""
+        with torch.inference_mode(False):
+            self._score_dtype = torch.int64
+            self._scores = self._scores.to(torch.int64)
 
     def _rows_at(self, pos: torch.Tensor) -> torch.Tensor:
         """Row ids at flat slots ``pos`` ([n], each >= 0) as int64."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from dynemb.kernels.place import place_free_native
+from dynemb.kernels.upsert import found_and_missing_native
 from dynemb.table.base import IndexResult
 from dynemb.table.keys import INT64_MAX as _MAX_SCORE
 from dynemb.types import ScoreStrategy
@@ -71,25 +72,10 @@ class BatchPlacement:
         lfu_add = own and self.strategy is ScoreStrategy.LFU
         # With one clock value for every key, priority order is already that of the keys.
         uniform = own and self.strategy in _CLOCKED
-        pos, found = self._locate(unique, seg)
-        found_pos = pos[found]
-        if lfu_add:
-            # Saturating add: a key pinned at the largest score must not wrap to the smallest.
-            old = self._scores_at(found_pos)
-            add = counts[found]
-            found_scores = torch.where(old > _MAX_SCORE - add, _MAX_SCORE, old + add)
+        if self.native:
+            pos, found, missing = self._found_and_missing_native(unique, counts, batch_scores, lfu_add, uniform, seg)
         else:
-            found_scores = batch_scores[found]
-        # Widen the stored scores before any is written, if this call's do not fit in int32
-        # (batch_scores covers the new keys' scores, and the found ones' but for lfu sums).
-        self._fit_scores(torch.cat([found_scores, batch_scores]) if lfu_add else batch_scores)
-        self._scores.view(-1).scatter_(0, found_pos, found_scores.to(self._scores.dtype))
-
-        missing = (~found).nonzero().squeeze(1)  # [M] into unique
-        if not uniform:
-            # Priority order: higher score first, then smaller key (unique is sorted).
-            by_score = torch.sort(batch_scores.index_select(0, missing), descending=True, stable=True)
-            missing = missing.index_select(0, by_score.indices)
+            pos, found, missing = self._found_and_missing(unique, counts, batch_scores, lfu_add, uniform, seg)
         new_keys = unique.index_select(0, missing)
         new_scores = batch_scores.index_select(0, missing)
         new_seg = None if seg is None else seg.index_select(0, missing)
@@ -160,6 +146,45 @@ class BatchPlacement:
             failed_seg, evicted_seg = torch.zeros_like(failed_keys), torch.zeros_like(taken)
         self._count("failed_inserts", seg=failed_seg, n=failed_keys.numel())
         return IndexResult(pos, rows, found, ok & ~found, *evicted, failed_keys, evicted_seg, failed_seg)
+
+    def _found_and_missing(
+        self, unique: torch.Tensor, counts: torch.Tensor, batch_scores: torch.Tensor, lfu_add: bool, uniform: bool, seg: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Locate U keys, give the found ones this call's score (lfu: add their counts,
+        saturating), and list the missing ones in priority order. Returns pos [U] (-1 where
+        missing), found [U] and missing [M] (indices into unique). The plain-torch twin of
+        :func:`dynemb.kernels.upsert.found_and_missing_native`."""
+        pos, found = self._locate(unique, seg)
+        found_pos = pos[found]
+        if lfu_add:
+            # Saturating add: a key pinned at the largest score must not wrap to the smallest.
+            old = self._scores_at(found_pos)
+            add = counts[found]
+            found_scores = torch.where(old > _MAX_SCORE - add, _MAX_SCORE, old + add)
+        else:
+            found_scores = batch_scores[found]
+        # Widen the stored scores before any is written, if this call's do not fit in int32
+        # (batch_scores covers the new keys' scores, and the found ones' but for lfu sums).
+        self._fit_scores(torch.cat([found_scores, batch_scores]) if lfu_add else batch_scores)
+        self._scores.view(-1).scatter_(0, found_pos, found_scores.to(self._scores.dtype))
+
+        missing = (~found).nonzero().squeeze(1)  # [M] into unique
+        if not uniform:
+            # Priority order: higher score first, then smaller key (unique is sorted).
+            by_score = torch.sort(batch_scores.index_select(0, missing), descending=True, stable=True)
+            missing = missing.index_select(0, by_score.indices)
+        return pos, found, missing
+
+    def _found_and_missing_native(
+        self, unique: torch.Tensor, counts: torch.Tensor, batch_scores: torch.Tensor, lfu_add: bool, uniform: bool, seg: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`_found_and_missing` by the compiled kernel (bitwise the same)."""
+        got = found_and_missing_native(self._keys, self._used, self._scores, self._segments, unique, seg, batch_scores, counts, lfu_add, uniform)
+        if got is None:
+            # A score of this call does not fit int32 (nothing was written): widen, then redo.
+            self._widen_scores()
+            got = found_and_missing_native(self._keys, self._used, self._scores, self._segments, unique, seg, batch_scores, counts, lfu_add, uniform)
+        return got
 
     def _place_free(self, keys: torch.Tensor, scores: torch.Tensor, seg: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Put P keys (in priority order) into free slots of their candidate buckets.

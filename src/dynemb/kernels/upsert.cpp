@@ -1,0 +1,73 @@
+// Native twin of upsert.py's found_and_missing_torch: the first part of an upsert of U distinct
+// keys: locate them, give the found keys this call's score (lfu: the saturating sum), and list
+// the missing ones in priority order (higher score first, ties in key order). B buckets, W slots.
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "common.h"
+
+using namespace dynemb;
+
+extern "C" int64_t dyn_locate(const int64_t*, const bool*, int64_t, int64_t, const int64_t*, const int64_t*, const int64_t*, const int64_t*,
+                              int64_t, int64_t*, bool*, const void*, int64_t, int64_t*, int64_t);
+
+static constexpr int64_t I64_MAX = std::numeric_limits<int64_t>::max();
+static constexpr int64_t I32_MIN = std::numeric_limits<int32_t>::min();
+static constexpr int64_t I32_MAX = std::numeric_limits<int32_t>::max();
+
+// Returns M, the number of missing keys (``missing`` gets them in priority order), or -1 when
+// a score of this call does not fit the int32 scores (nothing written: widen, then call again).
+extern "C" int64_t dyn_upsert_found(
+    const int64_t* table_keys, const bool* used,
+    void* table_scores,            // [B, W] int32 or int64
+    int64_t W, int64_t total_buckets, int64_t score_bytes,
+    const int64_t* keys,           // [U] distinct
+    const int64_t* seg, const int64_t* seg_counts, const int64_t* seg_offsets,
+    int64_t n,
+    const int64_t* batch_scores,   // [U] this call's score of each key
+    const int64_t* counts,         // [U] occurrences (the lfu increment)
+    int64_t lfu_add,               // found keys add counts to their score (saturating)
+    int64_t uniform,               // every key has the same score: priority = key order
+    int64_t* pos, bool* found,     // [U] out
+    int64_t* missing,              // [U] out: the first M entries
+    int64_t nthreads) {
+  dyn_locate(table_keys, used, W, total_buckets, keys, seg, seg_counts, seg_offsets, n, pos, found, nullptr, 0, nullptr, nthreads);
+  auto stored = [&](int64_t p) -> int64_t {
+    return score_bytes == 4 ? static_cast<const int32_t*>(table_scores)[p] : static_cast<const int64_t*>(table_scores)[p];
+  };
+  auto new_score = [&](int64_t i) -> int64_t {
+    if (!lfu_add) return batch_scores[i];
+    const int64_t old = stored(pos[i]), add = counts[i];
+    return old > I64_MAX - add ? I64_MAX : old + add;
+  };
+  if (score_bytes == 4) {
+    // As KeyIndex._fit_scores: every score of the call (the batch's, and lfu's sums) must fit.
+    bool fits = true;
+    for (int64_t i = 0; i < n && fits; ++i) {
+      const int64_t s = batch_scores[i];
+      fits = s >= I32_MIN && s <= I32_MAX;
+      if (fits && found[i] && lfu_add) {
+        const int64_t t = new_score(i);
+        fits = t >= I32_MIN && t <= I32_MAX;
+      }
+    }
+    if (!fits) return -1;
+  }
+  int64_t m = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!found[i]) {
+      missing[m++] = i;
+      continue;
+    }
+    const int64_t s = new_score(i);
+    if (score_bytes == 4)
+      static_cast<int32_t*>(table_scores)[pos[i]] = static_cast<int32_t>(s);
+    else
+      static_cast<int64_t*>(table_scores)[pos[i]] = s;
+  }
+  if (!uniform)
+    std::stable_sort(missing, missing + m, [&](int64_t a, int64_t b) { return batch_scores[a] > batch_scores[b]; });
+  return m;
+}
