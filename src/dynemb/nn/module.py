@@ -144,6 +144,7 @@ class DynamicTable(DynamicTables):
             keys, inverse, counts = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True, return_counts=True)
             if self.training:
                 self.step += 1
+                self._timestamps.start_call()
             lookup = self._lookup_unique(0, keys, None, counts, failures)
         self._raise_failures(failures)
         return lookup, inverse.view(ids.shape)
