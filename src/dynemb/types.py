@@ -40,7 +40,8 @@ class ScoreStrategy(_StrEnum):
     grows instead of evicting; at capacity, keys of full buckets first move to their other
     bucket to free a slot. Only then is the lowest-scored unlocked key of the new key's 2W
     candidate slots evicted, by the rule below. The clock ``now`` is the caller's (a step or a
-    timestamp); the index never reads wall time.
+    timestamp); the index never reads wall time. A module's timestamp is whole seconds since
+    2025-01-01 UTC, one value per training call and strictly rising (:mod:`dynemb.nn.clock`).
 
     ============  ===========================================  ====================================
     strategy      score of a key                               when no slot can be freed

@@ -95,11 +95,12 @@ def test_timestamp_clock_restored_and_keeps_rising(tmp_path):
     dynemb.checkpoint.save(saved, tmp_path / "ckpt")
     restored = Model("sgd", "timestamp")
     dynemb.checkpoint.load(restored, tmp_path / "ckpt")
-    assert restored.seq._last_timestamp == saved.seq._last_timestamp > 0
-    assert restored.ebc._last_timestamp == saved.ebc._last_timestamp > 0
-    # Pretend the saved clock is far in the future: the next scores must still be above it.
-    future = saved.seq._last_timestamp + 10**18
-    restored.seq._last_timestamp = future
+    assert restored.seq.clock() == saved.seq.clock() and saved.seq.clock()["last_timestamp"] > 0
+    assert restored.ebc.clock() == saved.ebc.clock() and saved.ebc.clock()["last_timestamp"] > 0
+    # Pretend the saved clock is far in the future (a century of seconds): the next scores
+    # must still be above it.
+    future = saved.seq.clock()["last_timestamp"] + 100 * 365 * 86400
+    restored.seq.set_clock(restored.seq.step, future)
     train(restored, range(3, 4))
     assert int(contents(restored)["seq"]["scores"].max()) == future + 1
 

@@ -10,6 +10,7 @@ import torch
 from dynemb.checkpoint.tables import Entry
 from dynemb.errors import CheckpointError
 from dynemb.nn.admission import FrequencyAdmission
+from dynemb.nn.clock import loaded_scores
 from dynemb.storage.caching import bind_held
 from dynemb.table.exact import place_exact, state_from_layout, state_from_slots
 from dynemb.table.index import unique_pairs
@@ -125,11 +126,15 @@ def plan_engines(es: list[Entry], data: dict, *, on_overflow: str, use_layout: b
     """A fresh engine for every table module or collection group that ``data`` (table name ->
     keys, whole rows, scores, manifest entry) covers; tables it does not cover keep their
     current rows. Returns the plans (members, fresh engine, parts) for :func:`install` and the
-    report ``{name: {"rows", "dropped"}}``; raises (nothing changed) when keys do not fit."""
+    report ``{name: {"rows", "dropped"}}``; raises (nothing changed) when keys do not fit. A
+    timestamp table's nanosecond scores in ``data`` are replaced by seconds (nn/clock.py)."""
     plans, report = [], {}
     groups: dict[int, list[Entry]] = {}
     for e in es:
         groups.setdefault(id(e.engine), []).append(e)
+        if e.name in data:
+            # A timestamp table's nanosecond scores (written before docs/design/0036) in seconds.
+            data[e.name]["scores"] = loaded_scores(data[e.name]["scores"], e.config.score_strategy)
     for members in groups.values():
         if not any(e.name in data for e in members):
             continue

@@ -242,6 +242,7 @@ class _DynamicCollection(DynamicTables):
         with self._lock:
             if self.training:
                 self.step += 1
+                self._timestamps.start_call()
             looked = [self._lookup_group(group, batch, failures, pooled) for group in self.groups]
         self._raise_failures(failures)
         return batch, looked

@@ -145,6 +145,7 @@ class DynamicTable(DynamicTables):
             keys, _, inverse, counts, grouping = dedup(ids.reshape(-1), native=self.engines[0].index.native, grouping=True, workspace=self._workspace)
             if self.training:
                 self.step += 1
+                self._timestamps.start_call()
             lookup = self._lookup_unique(0, keys, None, counts, failures, grouping)
         self._raise_failures(failures)
         return lookup, inverse.view(ids.shape)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from dynemb.nn.clock import loaded_scores
 from dynemb.nn.functional import warn_nonfinite
 from dynemb.storage.caching import bind_held
 from dynemb.table.index import unique_pairs
@@ -243,6 +244,12 @@ def rebuilt_engine(engine, parts: list[dict], index_state: dict[str, torch.Tenso
 
 def _load(module, tables: dict[int, dict], index_states: list[dict | None], step: int, last_timestamp: int) -> None:
     """Rebuild every engine of ``module`` from parsed ``tables``, then swap everything in."""
+    # A timestamp table's nanosecond scores (states of before docs/design/0036) in seconds.
+    for t, parsed in tables.items():
+        parsed["scores"] = loaded_scores(parsed["scores"], module.table_configs[t].score_strategy)
+    for group, index_state in zip(module.groups, index_states):
+        if index_state is not None and "scores" in index_state:
+            index_state["scores"] = loaded_scores(index_state["scores"], module.table_configs[group.tables[0]].score_strategy)
     # Admission counters first (restored if anything below raises); the engines are rebuilt on
     # the side, a DynamicTable's into its own store, which nothing after the rebuild can fail.
     backups = []

@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-import time
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -29,6 +28,7 @@ from dynemb.config import TableConfig
 from dynemb.errors import InsertionError
 from dynemb.nn.admission import FrequencyAdmission
 from dynemb.nn.autograd import Lookup
+from dynemb.nn.clock import TimestampClock
 from dynemb.nn.collective import collective
 from dynemb.nn.deferred import GradAccumulator
 from dynemb.nn.engine import Engine, Resolved, group_key
@@ -100,7 +100,7 @@ class DynamicTables(torch.nn.Module):
         self.custom_score: int | None = None
         # The id of the checkpoint these tables hold exactly (a delta may follow it), or None.
         self.checkpoint_id: str | None = None
-        self._last_timestamp = 0
+        self._timestamps = TimestampClock()
         self._lock = threading.RLock()
         device = tables[0].device
         self._workspace = Workspace(device)
@@ -138,20 +138,19 @@ class DynamicTables(torch.nn.Module):
         """The segments argument for keys [N] of one table: None when its engine has one table."""
         return torch.full_like(keys, s) if self.engines[group].segmented else None
 
-    def _now(self) -> int:
-        """The clock for the index: a strictly increasing timestamp (ns) or the step."""
-        if self.table_configs[0].score_strategy is ScoreStrategy.TIMESTAMP:
-            self._last_timestamp = max(time.time_ns(), self._last_timestamp + 1)
-            return self._last_timestamp
-        return self.step
+    def _now(self, g: int) -> int:
+        """The clock for engine g's index: the call's timestamp (:mod:`dynemb.nn.clock`) or the step."""
+        timestamp = self.table_configs[self.groups[g].tables[0]].score_strategy is ScoreStrategy.TIMESTAMP
+        return self._timestamps.now() if timestamp else self.step
 
     def clock(self) -> dict[str, int]:
-        """The module's clock: ``step`` (training lookups) and ``last_timestamp`` (ns)."""
-        return {"step": self.step, "last_timestamp": self._last_timestamp}
+        """The module's clock: ``step`` (training lookups) and ``last_timestamp`` (seconds since 2025-01-01 UTC, or later; nn/clock.py)."""
+        return {"step": self.step, "last_timestamp": self._timestamps.last}
 
     def set_clock(self, step: int, last_timestamp: int) -> None:
-        """Restore the clock (a load)."""
-        self.step, self._last_timestamp = step, last_timestamp
+        """Restore the clock (a load); a nanosecond ``last_timestamp`` (before 0036) is converted."""
+        self.step = step
+        self._timestamps.restore(last_timestamp)
 
     def _given_scores(self, n: int) -> torch.Tensor | None:
         if self.table_configs[0].score_strategy is not ScoreStrategy.CUSTOMIZED:
@@ -192,7 +191,7 @@ class DynamicTables(torch.nn.Module):
                     adm = self.admissions[group.tables[s]]
                     insertable.index_copy_(0, sel, adm.admit(keys.index_select(0, sel), counts.index_select(0, sel), self.step))
         r = engine.resolve(
-            keys, segs, train=True, now=self._now(), counts=counts, insertable=insertable, scores=given, evicted_contents=bool(self._evict_hooks), **kw
+            keys, segs, train=True, now=self._now(g), counts=counts, insertable=insertable, scores=given, evicted_contents=bool(self._evict_hooks), **kw
         )
         # Keys now in their table leave the admission counter (an insert's too: a key erased
         # later starts counting afresh).
@@ -371,6 +370,7 @@ class DynamicTables(torch.nn.Module):
         with self._lock, writable():
             segs = self._segments(g, s, unique)
             # A warm start bypasses admission: the caller decides which keys belong.
+            self._timestamps.start_call()
             r = self._resolve_train(g, unique, segs, counts, scores=given, admit=False, init_rows=values.shape[1] != engine.width)
             ok = r.ok.nonzero().squeeze(1)
             engine.write_rows(
@@ -428,8 +428,7 @@ class DynamicTables(torch.nn.Module):
         return entry
 
     def table_counters(self, table: str) -> dict[str, object]:
-        """One table's counters for a checkpoint: the module's clock (``step``,
-        ``last_timestamp``), ``erased`` and the engine's (see :meth:`Engine.counters`)."""
+        """One table's counters for a checkpoint: the module's :meth:`clock`, ``erased`` and the engine's (:meth:`Engine.counters`)."""
         engine, s, t = self.location(table)
         return {**self.clock(), "erased": self._erased[t], **engine.counters(s)}
 
