@@ -220,3 +220,23 @@ def test_crowded_bucket_on_both_backends_same_slots():
 def test_large_batch_on_both_backends_same_slots():
     batches = [random_keys(20_000, 8, low=-(10**6), high=10**6) for _ in range(3)]
     drive("timestamp", lambda backend: KeyIndex(capacity=1 << 15, init_capacity=1 << 12, backend=backend), batches)
+
+
+def test_scores_widen_and_saturate_alike_on_both_backends():
+    # customized scores past int32 widen the stored scores; lfu counts saturate at int64 max.
+    pair = [KeyIndex(capacity=256, bucket_capacity=8, score_strategy="lfu", backend=b) for b in ("torch", "native")]
+    keys = torch.arange(40) * 7 - 100
+    for index in pair:
+        index.find_or_insert(keys[:20], scores=torch.full((20,), 5))
+    assert_same_index(*pair)
+    big = torch.tensor([INT64_MAX - 1] * 10 + [2**40] * 10)
+    results = [index.find_or_insert(keys[10:30], scores=big) for index in pair]
+    assert_same_result(*results)
+    assert_same_index(*pair)
+    assert pair[1]._scores.dtype == torch.int64
+    # Found keys add their counts (3 each) under lfu: the keys at INT64_MAX - 1 saturate.
+    batch = torch.cat([keys, keys[5:25], keys[:15]])
+    results = [index.find_or_insert(batch) for index in pair]
+    assert_same_result(*results)
+    assert_same_index(*pair)
+    assert int(pair[1].scores(keys[10:11])[0]) == INT64_MAX

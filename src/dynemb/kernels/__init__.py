@@ -1,9 +1,11 @@
 """Compiled CPU kernels for the hot loops, each beside its plain-torch twin (docs/design/0037).
 
-One file per operation: ``locate.py`` (find keys in the index), ``place.py`` (new keys into free
-slots), ``dedup.py`` (a batch's distinct keys, inverse, counts); each holds the plain-torch twin
-(the CPU oracle, and what runs on other devices or where the kernels cannot build) and the
-launcher of the ``.cpp`` of the same name. A table chooses with its ``backend`` config field:
+One file per operation: ``locate`` (find keys in the index), ``upsert`` (found keys' scores,
+missing keys in priority order), ``place`` (new keys into free slots), ``dedup`` (a batch's
+distinct keys, inverse, counts, grouping), ``init`` (new rows into the store), ``update`` (the
+optimizer step on the store's rows). Each ``.py`` holds (or names) the plain-torch twin (the CPU
+oracle, and what runs on other devices or where the kernels cannot build) and the launcher of
+the ``.cpp`` of the same name. A table chooses with its ``backend`` config field:
 
 - ``"torch"``: plain torch everywhere.
 - ``"native"``: the compiled kernels on CPU tables; ValueError if they cannot be built.

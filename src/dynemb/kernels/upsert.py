@@ -1,0 +1,66 @@
+"""The first part of an upsert of U distinct keys: locate them, give the found keys this
+call's score (lfu: add their counts, saturating at the int64 maximum), and list the missing
+keys in priority order (higher score first, ties in key order; key order alone when every key
+has the same score).
+
+The plain-torch twin is ``BatchPlacement._found_and_missing`` (:mod:`dynemb.table.placement`);
+``found_and_missing_native`` runs ``upsert.cpp`` and gives the same slots, scores and order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dynemb.kernels import library, ptr, threads
+
+
+def found_and_missing_native(
+    table_keys: torch.Tensor,
+    used: torch.Tensor,
+    table_scores: torch.Tensor,
+    segments,
+    keys: torch.Tensor,
+    seg: torch.Tensor | None,
+    batch_scores: torch.Tensor,
+    counts: torch.Tensor,
+    lfu_add: bool,
+    uniform: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Returns pos [U] (-1 where missing), found [U] and missing [M] (indices into keys); None
+    when a score of this call does not fit ``table_scores``' int32 (then nothing was written).
+
+    Args:
+        table_keys (Tensor[int64]), used (Tensor[bool]), table_scores (Tensor[int32|int64]):
+            [B, W] the index's slots; the found keys' scores are written in place.
+        segments: the index's :class:`dynemb.table.geometry.Segments`.
+        keys (Tensor[int64]): [U] distinct; seg (Tensor[int64] | None): [U] their segments.
+        batch_scores, counts (Tensor[int64]): [U] this call's score and count of each key.
+    """
+    keys, batch_scores, counts = keys.contiguous(), batch_scores.contiguous(), counts.contiguous()
+    seg = None if seg is None else seg.contiguous()
+    n = keys.numel()
+    pos = torch.empty(n, dtype=torch.int64)
+    found = torch.empty(n, dtype=torch.bool)
+    missing = torch.empty(n, dtype=torch.int64)
+    m = library().dyn_upsert_found(
+        ptr(table_keys),
+        ptr(used),
+        ptr(table_scores),
+        table_keys.shape[1],
+        table_keys.shape[0],
+        table_scores.element_size(),
+        ptr(keys),
+        ptr(seg),
+        None if seg is None else ptr(segments.counts),
+        None if seg is None else ptr(segments.offsets),
+        n,
+        ptr(batch_scores),
+        ptr(counts),
+        int(lfu_add),
+        int(uniform),
+        ptr(pos),
+        ptr(found),
+        ptr(missing),
+        threads(),
+    )
+    return None if m < 0 else (pos, found, missing[:m])
