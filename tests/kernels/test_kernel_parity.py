@@ -240,3 +240,15 @@ def test_scores_widen_and_saturate_alike_on_both_backends():
     assert_same_result(*results)
     assert_same_index(*pair)
     assert int(pair[1].scores(keys[10:11])[0]) == INT64_MAX
+
+
+def test_candidates_match_segments_candidates():
+    from dynemb.kernels.locate import candidates_native
+
+    index = KeyIndex(capacities=[64, 200, 1000], bucket_capacity=8, backend="torch")
+    keys = torch.cat([t(SPECIAL), random_keys(3000, 9)])
+    seg = torch.randint(0, 3, (keys.numel(),), generator=torch.Generator().manual_seed(9))
+    for s in (None, seg):
+        got = candidates_native(index._segments, keys, s)
+        want = index._segments.candidates(keys, s)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

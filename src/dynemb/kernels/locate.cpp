@@ -67,3 +67,13 @@ extern "C" int64_t dyn_locate(
   }
   return 0;
 }
+
+// The two candidate buckets of each key (global bucket ids), as Segments.candidates gives them.
+extern "C" int64_t dyn_candidates(
+    const int64_t* keys, const int64_t* seg, const int64_t* seg_counts, const int64_t* seg_offsets, int64_t total_buckets,
+    int64_t n, int64_t* b1, int64_t* b2, int64_t nthreads) {
+  Candidates cand{seg, seg_counts, seg_offsets, total_buckets};
+#pragma omp parallel for schedule(static) num_threads(threads(nthreads, n, 16384))
+  for (int64_t i = 0; i < n; ++i) cand.of(keys[i], i, &b1[i], &b2[i]);
+  return 0;
+}

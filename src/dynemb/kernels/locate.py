@@ -80,3 +80,24 @@ def locate_native(
         threads(),
     )
     return pos, found, rows
+
+
+def candidates_native(segments, keys: torch.Tensor, seg: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two candidate buckets of keys ([N] -> two [N] int64), bitwise
+    :meth:`dynemb.table.geometry.Segments.candidates` (its plain-torch twin)."""
+    keys = keys.contiguous()
+    seg = None if seg is None else seg.contiguous()
+    n = keys.numel()
+    b1, b2 = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
+    library().dyn_candidates(
+        ptr(keys),
+        ptr(seg),
+        None if seg is None else ptr(segments.counts),
+        None if seg is None else ptr(segments.offsets),
+        segments.total,
+        n,
+        ptr(b1),
+        ptr(b2),
+        threads(),
+    )
+    return b1, b2

@@ -26,7 +26,7 @@ import torch
 from dynemb.config import resolve_device
 from dynemb.kernels import check_backend, uses_native
 from dynemb.kernels.dedup import dedup_native, dedup_torch
-from dynemb.kernels.locate import locate_native, locate_torch
+from dynemb.kernels.locate import candidates_native, locate_native, locate_torch
 from dynemb.table.base import IndexResult
 from dynemb.table.free_list import FreeList
 from dynemb.table.geometry import SCORE_MAX, SCORE_MIN, Segments, bucket_width, bytes_per_slot, index_bytes, plan_buckets, rounded_capacity, row_dtype
@@ -259,6 +259,8 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
     def _buckets(self, keys: torch.Tensor, seg: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The two candidate buckets of keys ([N] -> two [N]); ``seg``: [N] segment of each key,
         None for an index of one segment."""
+        if self.native:
+            return candidates_native(self._segments, keys, seg)
         return self._segments.candidates(keys, seg)
 
     def _bucket_segments(self, buckets: torch.Tensor) -> torch.Tensor | None:
