@@ -27,6 +27,7 @@ SIGNATURES = {
     "dyn_rows_update": "pippiiiiddddddpi",
     "dyn_init_rows": "pippiiipdddi",
     "dyn_candidates": "ppppiippi",
+    "dyn_evict_for": "pppiiipppppipiippppi",
     "dyn_upsert_found": "pppiiippppippiipppi",
 }
 _CODES = {"p": PTR, "i": I64, "d": F64}

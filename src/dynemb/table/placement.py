@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from dynemb.kernels.evict import evict_for_native
 from dynemb.kernels.place import place_free_native
 from dynemb.kernels.upsert import found_and_missing_native
 from dynemb.table.base import IndexResult
@@ -420,6 +421,13 @@ class BatchPlacement:
             pos (Tensor[int64]): [P] slot taken, -1 if the key failed.
             evicted keys, rows, scores (Tensor[int64]): [E] each.
         """
+        if self.native:
+            pos, taken, old_keys, old_scores = evict_for_native(
+                self._keys, self._used, self._scores, self._segments, keys, scores, seg, locked_pos, self.strategy is ScoreStrategy.LFU
+            )
+            self._count("evictions", taken)
+            self._count("inserts", taken)
+            return pos, old_keys, self._rows_at(taken), old_scores, taken
         W = self.bucket_capacity
         # Slots locked by the batch being placed (1 byte a slot, for this call only).
         lock = torch.zeros(self.current_capacity(), dtype=torch.bool, device=self.device)

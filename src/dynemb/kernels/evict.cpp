@@ -1,0 +1,131 @@
+// Native twin of BatchPlacement._evict_for: P keys (priority order) whose candidate buckets are
+// full each take the slot of the lowest-scored unlocked key among their 2W candidate slots
+// (ties: bucket 1 before bucket 2, lower slot first) if that score is not above their own
+// (lfu: whatever its score). In each round every active key picks its victim on the round's
+// starting state; a key wins when no higher-priority eligible key of the round shares one of its
+// buckets; winners write, the others try again next round. P keys, L locked slots, W slots.
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "common.h"
+
+using namespace dynemb;
+
+namespace {
+
+// A set of flat slots (open addressing, power-of-two table of slot + 1; 0 empty).
+struct SlotSet {
+  std::vector<int64_t> table;
+  uint64_t mask;
+  explicit SlotSet(int64_t expected) {
+    int64_t cap = 16;
+    while (cap < 2 * expected) cap <<= 1;
+    table.assign(cap, 0);
+    mask = static_cast<uint64_t>(cap - 1);
+  }
+  bool insert(int64_t slot) {  // true if newly added
+    uint64_t h = mix64(static_cast<uint64_t>(slot)) & mask;
+    while (table[h] != 0) {
+      if (table[h] == slot + 1) return false;
+      h = (h + 1) & mask;
+    }
+    table[h] = slot + 1;
+    return true;
+  }
+  bool contains(int64_t slot) const {
+    uint64_t h = mix64(static_cast<uint64_t>(slot)) & mask;
+    while (table[h] != 0) {
+      if (table[h] == slot + 1) return true;
+      h = (h + 1) & mask;
+    }
+    return false;
+  }
+};
+
+}  // namespace
+
+// Returns E, the keys placed by eviction; ``pos`` gets each key's slot (-1: failed) and
+// ``taken`` the E slots taken (``old_keys`` / ``old_scores`` what they held), in the order the
+// twin reports them (round by round, each round's winners in priority order).
+extern "C" int64_t dyn_evict_for(
+    int64_t* table_keys, const bool* used, void* table_scores,  // [B, W]
+    int64_t W, int64_t total_buckets, int64_t score_bytes,
+    const int64_t* keys, const int64_t* scores,                 // [P]
+    const int64_t* seg, const int64_t* seg_counts, const int64_t* seg_offsets,
+    int64_t n,
+    const int64_t* locked, int64_t n_locked,                    // [L] slots of the batch's keys
+    int64_t lfu,
+    int64_t* pos,                                               // [P] out
+    int64_t* taken, int64_t* old_keys, int64_t* old_scores,     // [P] out: the first E entries
+    int64_t nthreads) {
+  (void)nthreads;
+  Candidates cand{seg, seg_counts, seg_offsets, total_buckets};
+  auto score_at = [&](int64_t p) -> int64_t {
+    return score_bytes == 4 ? static_cast<const int32_t*>(table_scores)[p] : static_cast<const int64_t*>(table_scores)[p];
+  };
+  SlotSet lock(n_locked + n);
+  for (int64_t i = 0; i < n_locked; ++i) lock.insert(locked[i]);
+  std::vector<int64_t> b1(n), b2(n), active(n), victim(n), eligible_buckets;
+  std::vector<char> eligible(n);
+  for (int64_t i = 0; i < n; ++i) {
+    cand.of(keys[i], i, &b1[i], &b2[i]);
+    pos[i] = -1;
+    active[i] = i;
+  }
+  int64_t n_active = n, e = 0;
+  while (n_active) {
+    // Each active key's victim on the round's starting state.
+    bool any = false;
+    for (int64_t t = 0; t < n_active; ++t) {
+      const int64_t i = active[t];
+      int64_t best = -1, best_score = 0;
+      for (int c = 0; c < 2; ++c) {
+        const int64_t base = (c == 0 ? b1[i] : b2[i]) * W;
+        for (int64_t j = 0; j < W; ++j) {
+          const int64_t p = base + j;
+          if (!used[p] || lock.contains(p)) continue;
+          const int64_t s = score_at(p);
+          if (best < 0 || s < best_score) {
+            best = p;
+            best_score = s;
+          }
+        }
+      }
+      eligible[t] = best >= 0 && (lfu || scores[i] >= best_score);
+      victim[t] = best;
+      any |= eligible[t] != 0;
+    }
+    if (!any) break;
+    // In priority order: an eligible key wins unless an earlier eligible key of this round
+    // claimed one of its buckets; every eligible key claims both of its buckets.
+    SlotSet claimed(2 * n_active);
+    int64_t kept = 0;
+    for (int64_t t = 0; t < n_active; ++t) {
+      if (!eligible[t]) continue;
+      const int64_t i = active[t];
+      const bool free1 = !claimed.contains(b1[i]), free2 = !claimed.contains(b2[i]);
+      claimed.insert(b1[i]);
+      claimed.insert(b2[i]);
+      if (!(free1 && free2)) {
+        active[kept++] = i;
+        continue;
+      }
+      const int64_t p = victim[t];
+      taken[e] = p;
+      old_keys[e] = table_keys[p];
+      old_scores[e] = score_at(p);
+      ++e;
+      table_keys[p] = keys[i];
+      if (score_bytes == 4)
+        static_cast<int32_t*>(table_scores)[p] = static_cast<int32_t>(scores[i]);
+      else
+        static_cast<int64_t*>(table_scores)[p] = scores[i];
+      lock.insert(p);
+      pos[i] = p;
+    }
+    n_active = kept;
+  }
+  return e;
+}
