@@ -7,6 +7,7 @@
 W1  train step, Zipf(1.05) int64 ids, D=128: dynemb vs torch.nn.Embedding(sparse=True), and vs the
     floor (a static tensor on the same remapped ids with a hand-fused update), steps/s.
 W1-evict  the same with the dynemb table at 1/4 of the stream's keys: full, evicting every step.
+    Also vs TorchRec's ManagedCollisionEmbeddingCollection (LFU MCH, eviction every step, same capacity).
 W2  KeyIndex find / find_or_insert at load 0.5 and 0.9 vs a Python dict (and a sorted array), keys/s.
 W3  train step of 26 Criteo-like features, batch 4,096, row-wise Adagrad: DynamicEmbeddingBagCollection
     vs a Python loop over 26 DynamicEmbeddingBag vs FBGEMM's TBE (TorchRec's fused EBC kernel), steps/s.
@@ -182,7 +183,7 @@ def _w1_lines(workload: str, records: list[dict]) -> list[str]:
     if w1:
         e = w1[0]["extra"]
         fill = (
-            f" The dynemb table holds {e['capacity']} keys (1/4 of them); it trained alone on the first "
+            f" The dynemb table holds {e['capacity']} keys (1/4 of them); it (and the MCH contender, at the same capacity) trained on the first "
             f"{e['fill_steps']} batches, which brought that many keys, before the warm-up."
             if e.get("fill_steps")
             else ""
@@ -211,6 +212,13 @@ def _w1_lines(workload: str, records: list[dict]) -> list[str]:
                 f"parity max abs diff {e['parity_max_abs_diff']:.1e}"
                 + (f", floor vs reference {e['floor_parity_max_abs_diff']:.1e}" if "floor_parity_max_abs_diff" in e else "")
                 + "."
+            )
+        for r in (x for x in records if x["workload"] == workload and "mch_per_step" in x.get("extra", {})):
+            m, c = r["extra"]["mch_per_step"], r["extra"]["mch_counters"]
+            lines.append(
+                f"{r['contender']} {r['case']}: per timed step {m['evictions']:.0f} rows evicted and {m['missed_ids']:.0f} ids "
+                f"mapped to the shared miss row; open slots after them {c['open_slots']}; "
+                f"parity max abs diff vs reference {r['extra']['parity_max_abs_diff_vs_reference']:.1e}."
             )
     prof = [r for r in records if r["workload"] == f"{workload}-profile"]
     if prof:

@@ -20,6 +20,10 @@ takes loss = (out * v).sum() for a fixed random v [D], and runs backward:
   applied to the gathered rows, written back with ``index_copy_`` (state: ``index_select`` /
   ``index_copy_``), into reused buffers; no sparse tensors, no torch.optim. What any dynamic
   table is measured against.
+* MCH (W1-evict only, ``w1_mch.py``): TorchRec's ``ManagedCollisionEmbeddingCollection`` with an LFU
+  ``MCHManagedCollisionModule`` evicting every step, C rows, on the raw keys as a
+  ``KeyedJaggedTensor``; the same optimizer maths on its embedding's sparse gradient. It trains on
+  the fill batches too, so it is full when timing starts.
 
 All contenders see the same batches; each repeat times them back to back on a fresh slice of
 the stream (so dynemb keeps meeting new keys), rotating which goes first.
@@ -224,6 +228,7 @@ def _one_repeat(
     contender: Contender,
     reference: Reference,
     floor: Floor,
+    mch,
     batches,
     dense,
     log,
@@ -232,6 +237,7 @@ def _one_repeat(
     rotated by one each attempt; returns their steps/s and other processes' CPU share during each."""
     part = slice(start + attempt * cfg.steps, start + (attempt + 1) * cfg.steps)
     runs = [("dynemb", contender.step, batches[part]), ("reference", reference.step, dense[part]), ("floor", floor.step, dense[part])]
+    runs += [("mch", mch.step, batches[part])] if mch is not None else []
     k = attempt % len(runs)
     measured = {name: _steps_per_second(step, data) for name, step, data in runs[k:] + runs[:k]}
     rates = {name: rate for name, (rate, _) in measured.items()}
@@ -314,6 +320,17 @@ def run(cfg: W1Config, env: dict, log=print) -> list[dict]:
         if floor_parity > PARITY_TOLERANCE:
             raise RuntimeError(f"{name} {case}: the floor and the reference disagree by {floor_parity:.2e} > {PARITY_TOLERANCE}")
         contender, reference, floor = Contender(case, st.v, st.capacity), Reference(case, K, st.v), Floor(case, K, st.v)
+        mch, mch_parity = None, None
+        if cfg.capacity_fraction is not None:
+            import w1_mch  # imported here: it needs torchrec, and only W1-evict runs it
+
+            mch_parity = w1_mch.parity_error(case, cfg.seed)
+            log(f"{name} {case}: max |MCH - reference| after 4 small steps: {mch_parity:.2e}")
+            if mch_parity > PARITY_TOLERANCE:
+                raise RuntimeError(f"{name} {case}: MCH and the reference disagree by {mch_parity:.2e} > {PARITY_TOLERANCE}")
+            w1_mch.check_keys(st.batches)
+            # The same capacity as the dynemb table's (which rounds C up).
+            mch = w1_mch.Mch(case, st.v, contender.table.stats()["capacity"], IDS_PER_STEP)
         t0 = time.perf_counter()
         for i in range(st.fill):
             contender.step(st.batches[i])
@@ -323,10 +340,17 @@ def run(cfg: W1Config, env: dict, log=print) -> list[dict]:
                 f"{name} {case}: fill of {st.fill} steps took {time.perf_counter() - t0:.1f} s; table size {s['size']} "
                 f"of {s['capacity']}, evictions {s['evictions']}, failed inserts {s['failed_inserts']}"
             )
+        if mch is not None:
+            t0 = time.perf_counter()
+            for i in range(st.fill):
+                mch.step(st.batches[i])
+            log(f"{name} {case}: MCH fill took {time.perf_counter() - t0:.1f} s; {mch.counters()}")
         for i in range(st.fill, start):
             contender.step(st.batches[i])
             reference.step(st.dense[i])
             floor.step(st.dense[i])
+            if mch is not None:
+                mch.step(st.batches[i])
 
         one_repeat = functools.partial(
             _one_repeat,
@@ -336,14 +360,15 @@ def run(cfg: W1Config, env: dict, log=print) -> list[dict]:
             contender=contender,
             reference=reference,
             floor=floor,
+            mch=mch,
             batches=st.batches,
             dense=st.dense,
             log=log,
         )
-        before = contender.table.stats()
+        before, mch_before = contender.table.stats(), mch.counters() if mch is not None else None
         results, noise = quiet_repeats(one_repeat, cfg.repeats, cfg.max_retries, log)
         table_stats = contender.table.stats()
-        rates = {who: [r[who] for r in results] for who in ("dynemb", "reference", "floor")}
+        rates = {who: [r[who] for r in results] for who in results[0]}
         # dynemb trained on every attempt's slice, discarded ones included.
         table_steps = (cfg.repeats + noise["discarded"]) * cfg.steps
         consumed = start + table_steps
@@ -371,7 +396,8 @@ def run(cfg: W1Config, env: dict, log=print) -> list[dict]:
         )
         ref_name = "torch.nn.Embedding+" + ("torch.optim.SGD" if case == "sgd" else "rowwise_adagrad(plain torch)")
         floor_name = f"floor(static tensor+fused {case})"
-        ratios = {name: paired_ratio(rates["dynemb"], rates[who], name) for name, who in ((ref_name, "reference"), (floor_name, "floor"))}
+        versus = [(ref_name, "reference"), (floor_name, "floor")] + ([(w1_mch.contender_name(case), "mch")] if mch is not None else [])
+        ratios = {name: paired_ratio(rates["dynemb"], rates[who], name) for name, who in versus}
         records.append(
             record(
                 workload=name,
@@ -415,7 +441,17 @@ def run(cfg: W1Config, env: dict, log=print) -> list[dict]:
                 extra={**extra, "parity_max_abs_diff_vs_reference": floor_parity},
             )
         )
-        del reference, floor
+        if mch is not None:
+            after = mch.counters()
+            mch_per_step = {k: (after[k] - mch_before[k]) / table_steps for k in ("evictions", "missed_ids")}
+            log(f"{name} {case}: MCH per timed step: evictions {mch_per_step['evictions']:.0f}, ids on the shared miss row {mch_per_step['missed_ids']:.0f}")
+            mch_extra = {"mch_per_step": mch_per_step, "mch_counters": after, "parity_max_abs_diff_vs_reference": mch_parity}
+            records.append(
+                record(
+                    workload=name, case=case, contender=w1_mch.contender_name(case), unit="steps/s", values=rates["mch"], env=env, extra={**extra, **mch_extra}
+                )
+            )
+        del reference, floor, mch
         if cfg.profile_steps:
             records += _profile(name, case, contender, st.batches[profile_at:], cfg.profile_steps, env, log)
         del contender
