@@ -1,7 +1,9 @@
 // Shared by the kernels of this folder: dynemb's 64-bit mixer and bucket rule (the same bits as
 // dynemb/hashing.py), prefetch, and the OpenMP thread count a caller asks for.
 #pragma once
+#include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace dynemb {
 
@@ -36,6 +38,28 @@ struct Candidates {
     *b2 = bucket_of(mix64(m), nb) + off;
   }
 };
+
+// LSD radix sort of (key, id) pairs by key in signed order, 8 bits a pass.
+inline void radix_sort(std::vector<uint64_t>& key, std::vector<int64_t>& id) {
+  const size_t u = key.size();
+  std::vector<uint64_t> k2(u);
+  std::vector<int64_t> i2(u);
+  for (auto& k : key) k ^= 0x8000000000000000ULL;  // signed order as unsigned
+  for (int shift = 0; shift < 64; shift += 8) {
+    size_t count[257] = {0};
+    for (size_t i = 0; i < u; ++i) ++count[((key[i] >> shift) & 0xFF) + 1];
+    if (count[((key[0] >> shift) & 0xFF) + 1] == u) continue;  // one digit value: nothing moves
+    for (int d = 0; d < 256; ++d) count[d + 1] += count[d];
+    for (size_t i = 0; i < u; ++i) {
+      const size_t at = count[(key[i] >> shift) & 0xFF]++;
+      k2[at] = key[i];
+      i2[at] = id[i];
+    }
+    key.swap(k2);
+    id.swap(i2);
+  }
+  for (auto& k : key) k ^= 0x8000000000000000ULL;
+}
 
 inline int threads(int64_t requested, int64_t work, int64_t per_thread) {
   int64_t t = work / per_thread;

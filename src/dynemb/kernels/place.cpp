@@ -66,6 +66,10 @@ extern "C" int64_t dyn_place_free(
     // Free slots of both candidates as the round starts, and the bucket each key tries.
 #pragma omp parallel for schedule(static) num_threads(threads(nthreads, n_todo, 4096))
     for (int64_t t = 0; t < n_todo; ++t) {
+      if (t + 8 < n_todo) {
+        __builtin_prefetch(used + b1[todo[t + 8]] * W);
+        __builtin_prefetch(used + b2[todo[t + 8]] * W);
+      }
       const int64_t i = todo[t];
       const int64_t f1 = free_in(used, b1[i], W), f2 = free_in(used, b2[i], W);
       if (f1 == 0 && f2 == 0) {
@@ -107,7 +111,12 @@ extern "C" int64_t dyn_place_free(
       round_slots.push_back(slot);
     }
     std::fill(table_bucket, table_bucket + cap, 0);
-    std::sort(round_slots.begin(), round_slots.end());
+    if (!round_slots.empty()) {
+      std::vector<uint64_t> slot_keys(round_slots.begin(), round_slots.end());
+      std::vector<int64_t> unused(round_slots.size());
+      radix_sort(slot_keys, unused);
+      std::copy(slot_keys.begin(), slot_keys.end(), round_slots.begin());
+    }
     std::copy(round_slots.begin(), round_slots.end(), order + n_placed);
     n_placed += static_cast<int64_t>(round_slots.size());
     rounds[round_no++] = static_cast<int64_t>(round_slots.size());

@@ -10,6 +10,8 @@
 
 using namespace dynemb;
 
+static constexpr int64_t AHEAD = 4;
+
 enum Kind : int64_t { SGD = 0, ADAGRAD = 1, ROWWISE_ADAGRAD = 2, ADAM = 3 };
 
 extern "C" int64_t dyn_rows_update(
@@ -31,6 +33,11 @@ extern "C" int64_t dyn_rows_update(
     std::vector<float> g(D), out(width);
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < n; ++u) {
+      // The rows lie anywhere in the store: fetch a few rows ahead while this one is updated.
+      if (u + AHEAD < n) {
+        const char* next = reinterpret_cast<const char*>(table + rows[u + AHEAD] * width);
+        for (int64_t off = 0; off < width * 4; off += 64) __builtin_prefetch(next + off, 1);
+      }
       float* row = table + rows[u] * width;
       const float* gu = grad + u * grad_stride;
       for (int64_t j = 0; j < D; ++j) g[j] = wd != 0.0f ? gu[j] + wd * row[j] : gu[j];
