@@ -27,9 +27,14 @@ def _betas(betas: Any) -> tuple[float, float]:
 
 
 def _native(cls: type, optimizer: RowOptimizer, spec: dict) -> dict | None:
-    """``spec`` unless ``optimizer``'s class overrides ``cls``'s update (then the kernel would
-    not do what it does)."""
-    return spec if type(optimizer).update is cls.update else None
+    """``spec`` while ``optimizer``'s update is the one the kernel implements (the class's own,
+    as defined here): a subclass's override or a patched update runs in plain torch."""
+    return spec if type(optimizer).update is _KERNEL_MATHS[cls][0] else None
+
+
+def _constant_state(cls: type, optimizer: RowOptimizer, value: float) -> float | None:
+    """``value`` while ``optimizer``'s init_state is ``cls``'s own (as defined here)."""
+    return value if type(optimizer).init_state is _KERNEL_MATHS[cls][1] else None
 
 
 class SGD(RowOptimizer):
@@ -75,7 +80,7 @@ class Adagrad(RowOptimizer):
         state.fill_(self.initial_accumulator_value)
 
     def initial_state_value(self):
-        return self.initial_accumulator_value if type(self).init_state is Adagrad.init_state else None
+        return _constant_state(Adagrad, self, self.initial_accumulator_value)
 
     def update(self, weight, state, grad, step):
         weight_decay = self.weight_decay
@@ -110,7 +115,7 @@ class RowWiseAdagrad(RowOptimizer):
         state.fill_(self.initial_accumulator_value)
 
     def initial_state_value(self):
-        return self.initial_accumulator_value if type(self).init_state is RowWiseAdagrad.init_state else None
+        return _constant_state(RowWiseAdagrad, self, self.initial_accumulator_value)
 
     def update(self, weight, state, grad, step):
         weight_decay = self.weight_decay
@@ -160,3 +165,8 @@ class Adam(RowOptimizer):
         step_size = self.lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
         spec = {"kind": "adam", "lr": self.lr, "weight_decay": self.weight_decay, "eps": self.eps, "a": 1 - beta1, "b": 1 - beta2, "c": step_size}
         return _native(Adam, self, spec)
+
+
+# The update and init_state each compiled kernel implements (dynemb.kernels.update / init),
+# taken as the classes define them, so that a later patch of either is not bypassed.
+_KERNEL_MATHS = {cls: (cls.update, cls.init_state) for cls in (SGD, Adagrad, RowWiseAdagrad, Adam)}
