@@ -39,19 +39,24 @@ struct Candidates {
   }
 };
 
-// LSD radix sort of (key, id) pairs by key in signed order, 8 bits a pass.
+// LSD radix sort of (key, id) pairs by key in signed order, 11 bits a pass (6 passes; a pass
+// whose digit is the same for every key moves nothing and is skipped).
 inline void radix_sort(std::vector<uint64_t>& key, std::vector<int64_t>& id) {
   const size_t u = key.size();
+  if (u < 2) return;
   std::vector<uint64_t> k2(u);
   std::vector<int64_t> i2(u);
   for (auto& k : key) k ^= 0x8000000000000000ULL;  // signed order as unsigned
-  for (int shift = 0; shift < 64; shift += 8) {
-    size_t count[257] = {0};
-    for (size_t i = 0; i < u; ++i) ++count[((key[i] >> shift) & 0xFF) + 1];
-    if (count[((key[0] >> shift) & 0xFF) + 1] == u) continue;  // one digit value: nothing moves
-    for (int d = 0; d < 256; ++d) count[d + 1] += count[d];
+  constexpr int BITS = 11;
+  constexpr size_t DIGITS = size_t(1) << BITS;
+  std::vector<size_t> count(DIGITS + 1);
+  for (int shift = 0; shift < 64; shift += BITS) {
+    std::fill(count.begin(), count.end(), 0);
+    for (size_t i = 0; i < u; ++i) ++count[((key[i] >> shift) & (DIGITS - 1)) + 1];
+    if (count[((key[0] >> shift) & (DIGITS - 1)) + 1] == u) continue;
+    for (size_t d = 0; d < DIGITS; ++d) count[d + 1] += count[d];
     for (size_t i = 0; i < u; ++i) {
-      const size_t at = count[(key[i] >> shift) & 0xFF]++;
+      const size_t at = count[(key[i] >> shift) & (DIGITS - 1)]++;
       k2[at] = key[i];
       i2[at] = id[i];
     }

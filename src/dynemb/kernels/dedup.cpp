@@ -25,11 +25,10 @@ extern "C" int64_t dyn_dedup(
   (void)nthreads;
   if (n == 0) return 0;
   const uint64_t mask = static_cast<uint64_t>(cap - 1);
-  // Open addressing on (key, segment): slot -> first-seen id + 1 (0: empty), key kept inline.
-  int64_t* slot_id = scratch;
-  int64_t* slot_key = scratch + cap;
-  int64_t* slot_seg = scratch + 2 * cap;
-  std::fill(slot_id, slot_id + cap, 0);
+  // Open addressing on (key, segment): [id + 1 (0: empty), key, segment] per slot, together so
+  // that a probe reads one cache line.
+  int64_t* slots = scratch;
+  for (int64_t h = 0; h < cap; ++h) slots[3 * h] = 0;
   std::vector<uint64_t> ukey;
   std::vector<int64_t> useg_of;
   ukey.reserve(n / 2 + 16);
@@ -38,18 +37,19 @@ extern "C" int64_t dyn_dedup(
     const int64_t s = seg ? seg[i] : 0;
     uint64_t h = mix64(static_cast<uint64_t>(k) ^ (static_cast<uint64_t>(s) * 0x9E3779B97F4A7C15ULL)) & mask;
     for (;;) {
-      const int64_t id = slot_id[h] - 1;
+      int64_t* slot = slots + 3 * h;
+      const int64_t id = slot[0] - 1;
       if (id < 0) {
         const int64_t fresh = static_cast<int64_t>(ukey.size());
-        slot_id[h] = fresh + 1;
-        slot_key[h] = k;
-        slot_seg[h] = s;
+        slot[0] = fresh + 1;
+        slot[1] = k;
+        slot[2] = s;
         inverse[i] = fresh;
         ukey.push_back(static_cast<uint64_t>(k));
         if (seg) useg_of.push_back(s);
         break;
       }
-      if (slot_key[h] == k && slot_seg[h] == s) {
+      if (slot[1] == k && slot[2] == s) {
         inverse[i] = id;
         break;
       }

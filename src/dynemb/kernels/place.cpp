@@ -11,6 +11,26 @@ using namespace dynemb;
 // At most 8 halving rounds, then one filling the preferred candidate, one the other.
 static constexpr int MAX_ROUNDS = 10;
 
+// Sort non-negative slots ascending (LSD radix, 11 bits a pass, only the passes their largest
+// value needs).
+static void radix_sort_slots(std::vector<int64_t>& v, std::vector<int64_t>& buffer) {
+  const size_t n = v.size();
+  if (n < 2) return;
+  int64_t top = 0;
+  for (int64_t x : v) top = x > top ? x : top;
+  buffer.resize(n);
+  constexpr int BITS = 11;
+  constexpr int64_t DIGITS = int64_t(1) << BITS;
+  size_t count[DIGITS + 1];
+  for (int shift = 0; shift < 63 && (top >> shift) > 0; shift += BITS) {
+    std::fill(count, count + DIGITS + 1, 0);
+    for (int64_t x : v) ++count[((x >> shift) & (DIGITS - 1)) + 1];
+    for (int64_t d = 0; d < DIGITS; ++d) count[d + 1] += count[d];
+    for (int64_t x : v) buffer[count[(x >> shift) & (DIGITS - 1)]++] = x;
+    v.swap(buffer);
+  }
+}
+
 static inline int64_t free_in(const bool* used, int64_t bucket, int64_t W) {
   int64_t f = 0;
   for (int64_t j = 0; j < W; ++j) f += !used[bucket * W + j];
@@ -32,9 +52,11 @@ extern "C" int64_t dyn_place_free(
     int64_t* pos,                // [P] out
     int64_t* order,              // [P] out: the first (return value) entries are slots
     int64_t* rounds,             // [MAX_ROUNDS] out: slots taken in each round (0 after the last)
-    int64_t* scratch,            // [2 * cap] the caller's reused buffer
-    int64_t cap,                 // a power of two >= 2P: the per-round bucket counts' hash table
+    int64_t* scratch,            // unused (kept for the launcher's signature)
+    int64_t cap,
     int64_t nthreads) {
+  (void)scratch;
+  (void)cap;
   Candidates cand{seg, seg_counts, seg_offsets, total_buckets};
   std::vector<int64_t> b1(n), b2(n), chosen(n), nfree(n), todo(n);
   for (int64_t i = 0; i < n; ++i) {
@@ -43,22 +65,7 @@ extern "C" int64_t dyn_place_free(
     todo[i] = i;
   }
   int64_t n_todo = n, n_placed = 0;
-  // Keys already given a slot in this round, per bucket: a hash table of (bucket + 1, count)
-  // over at most P buckets, so the cost follows the batch, not the index (reset every round).
-  int64_t* table_bucket = scratch;
-  int64_t* table_count = scratch + cap;
-  const uint64_t mask = static_cast<uint64_t>(cap - 1);
-  std::fill(table_bucket, table_bucket + cap, 0);
-  auto taken = [&](int64_t bucket) -> int64_t& {
-    uint64_t h = mix64(static_cast<uint64_t>(bucket)) & mask;
-    while (table_bucket[h] != 0 && table_bucket[h] != bucket + 1) h = (h + 1) & mask;
-    if (table_bucket[h] == 0) {
-      table_bucket[h] = bucket + 1;
-      table_count[h] = 0;
-    }
-    return table_count[h];
-  };
-  std::vector<int64_t> round_slots;
+  std::vector<int64_t> round_slots, sort_buffer;
   int round_no = 0;
   for (int r = 0; r < MAX_ROUNDS; ++r) rounds[r] = 0;
 
@@ -87,20 +94,32 @@ extern "C" int64_t dyn_place_free(
     round_slots.clear();
     int64_t kept = 0;
     for (int64_t t = 0; t < n_todo; ++t) {
+      if (t + 8 < n_todo && chosen[todo[t + 8]] >= 0) {
+        const int64_t ahead = chosen[todo[t + 8]] * W;
+        __builtin_prefetch(used + ahead, 1);
+        __builtin_prefetch(table_keys + ahead, 1);
+        __builtin_prefetch(table_keys + ahead + W - 1, 1);
+        __builtin_prefetch(static_cast<char*>(table_scores) + ahead * score_bytes, 1);
+      }
       const int64_t i = todo[t];
       const int64_t b = chosen[i];
-      bool fits = false;
+      // The key's rank among this round's keys of its bucket is how many of the bucket's free
+      // slots the round has taken so far: every earlier key of the bucket took one, until one
+      // did not fit (from then on the rank is at the limit, and no later key fits either).
+      int64_t slot = -1, free_now = 0;
       if (b >= 0) {
-        const int64_t r = taken(b)++;
-        const int64_t limit = halve ? (nfree[i] + 1) / 2 : nfree[i];
-        fits = r < limit;
+        for (int64_t j = W - 1; j >= 0; --j) {
+          if (!used[b * W + j]) {
+            slot = b * W + j;
+            ++free_now;
+          }
+        }
       }
-      if (!fits) {
+      const int64_t limit = b < 0 ? 0 : (halve ? (nfree[i] + 1) / 2 : nfree[i]);
+      if (b < 0 || nfree[i] - free_now >= limit) {
         todo[kept++] = i;
         continue;
       }
-      int64_t slot = b * W;
-      while (used[slot]) ++slot;
       table_keys[slot] = keys[i];
       used[slot] = true;
       if (score_bytes == 4)
@@ -110,13 +129,7 @@ extern "C" int64_t dyn_place_free(
       pos[i] = slot;
       round_slots.push_back(slot);
     }
-    std::fill(table_bucket, table_bucket + cap, 0);
-    if (!round_slots.empty()) {
-      std::vector<uint64_t> slot_keys(round_slots.begin(), round_slots.end());
-      std::vector<int64_t> unused(round_slots.size());
-      radix_sort(slot_keys, unused);
-      std::copy(slot_keys.begin(), slot_keys.end(), round_slots.begin());
-    }
+    radix_sort_slots(round_slots, sort_buffer);
     std::copy(round_slots.begin(), round_slots.end(), order + n_placed);
     n_placed += static_cast<int64_t>(round_slots.size());
     rounds[round_no++] = static_cast<int64_t>(round_slots.size());

@@ -25,7 +25,7 @@ import torch
 
 from dynemb.config import resolve_device
 from dynemb.kernels import check_backend, uses_native
-from dynemb.kernels.dedup import dedup_native, dedup_torch
+from dynemb.kernels.dedup import dedup_torch
 from dynemb.kernels.locate import candidates_native, locate_native, locate_torch
 from dynemb.table.base import IndexResult
 from dynemb.table.free_list import FreeList
@@ -282,9 +282,11 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
         return locate_torch(self._keys, self._used, b1, b2, keys, self._workspace)
 
     def _dedup(self, keys: torch.Tensor, seg: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """(unique [U], their segments [U] or None, inverse [N], counts [U]) of keys [N]."""
-        if self.native:
-            return dedup_native(keys, seg, workspace=self._workspace)[:4]
+        """(unique [U], their segments [U] or None, inverse [N], counts [U]) of keys [N].
+
+        Plain torch on both backends: torch.unique's parallel sort beat the one-thread hashing
+        kernel on W2's random keys (2.2 vs 7.0 ms for 65,536 keys, perf-log 2026-11-25); the
+        module still takes the kernel where its grouping saves the backward's scatter-add."""
         return dedup_torch(keys, seg)
 
     def candidate_buckets(self, keys: torch.Tensor, segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
