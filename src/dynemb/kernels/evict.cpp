@@ -13,38 +13,6 @@
 
 using namespace dynemb;
 
-namespace {
-
-// A set of flat slots (open addressing, power-of-two table of slot + 1; 0 empty).
-struct SlotSet {
-  std::vector<int64_t> table;
-  uint64_t mask;
-  explicit SlotSet(int64_t expected) {
-    int64_t cap = 16;
-    while (cap < 2 * expected) cap <<= 1;
-    table.assign(cap, 0);
-    mask = static_cast<uint64_t>(cap - 1);
-  }
-  bool insert(int64_t slot) {  // true if newly added
-    uint64_t h = mix64(static_cast<uint64_t>(slot)) & mask;
-    while (table[h] != 0) {
-      if (table[h] == slot + 1) return false;
-      h = (h + 1) & mask;
-    }
-    table[h] = slot + 1;
-    return true;
-  }
-  bool contains(int64_t slot) const {
-    uint64_t h = mix64(static_cast<uint64_t>(slot)) & mask;
-    while (table[h] != 0) {
-      if (table[h] == slot + 1) return true;
-      h = (h + 1) & mask;
-    }
-    return false;
-  }
-};
-
-}  // namespace
 
 // Returns E, the keys placed by eviction; ``pos`` gets each key's slot (-1: failed) and
 // ``taken`` the E slots taken (``old_keys`` / ``old_scores`` what they held), in the order the
@@ -65,54 +33,64 @@ extern "C" int64_t dyn_evict_for(
   auto score_at = [&](int64_t p) -> int64_t {
     return score_bytes == 4 ? static_cast<const int32_t*>(table_scores)[p] : static_cast<const int64_t*>(table_scores)[p];
   };
-  SlotSet lock(n_locked + n);
-  for (int64_t i = 0; i < n_locked; ++i) lock.insert(locked[i]);
-  std::vector<int64_t> b1(n), b2(n), active(n), victim(n), eligible_buckets;
-  std::vector<char> eligible(n);
+  // One byte a slot for this call (as the twin's lock tensor), one a bucket for the round's claims.
+  std::vector<uint8_t> lock(total_buckets * W, 0), claimed(total_buckets, 0);
+  for (int64_t i = 0; i < n_locked; ++i) lock[locked[i]] = 1;
+  std::vector<int64_t> b1(n), b2(n), active(n);
   for (int64_t i = 0; i < n; ++i) {
     cand.of(keys[i], i, &b1[i], &b2[i]);
     pos[i] = -1;
     active[i] = i;
   }
   int64_t n_active = n, e = 0;
+  // A key's victim changes only when a winner wrote into one of its buckets: after the first
+  // round only keys with a bucket written in the last round look again.
+  std::vector<int64_t> victim_of(n, -1), claims, written;
+  std::vector<uint8_t> eligible_of(n, 0), dirty(total_buckets, 0);
+  auto pick_victim = [&](int64_t i) {
+    int64_t best = -1, best_score = 0;
+    for (int c = 0; c < 2; ++c) {
+      const int64_t base = (c == 0 ? b1[i] : b2[i]) * W;
+      for (int64_t j = 0; j < W; ++j) {
+        const int64_t p = base + j;
+        if (!used[p] || lock[p]) continue;
+        const int64_t s = score_at(p);
+        if (best < 0 || s < best_score) {
+          best = p;
+          best_score = s;
+        }
+      }
+    }
+    victim_of[i] = best;
+    eligible_of[i] = best >= 0 && (lfu || scores[i] >= best_score);
+  };
+  bool first_round = true;
   while (n_active) {
-    // Each active key's victim on the round's starting state.
     bool any = false;
     for (int64_t t = 0; t < n_active; ++t) {
       const int64_t i = active[t];
-      int64_t best = -1, best_score = 0;
-      for (int c = 0; c < 2; ++c) {
-        const int64_t base = (c == 0 ? b1[i] : b2[i]) * W;
-        for (int64_t j = 0; j < W; ++j) {
-          const int64_t p = base + j;
-          if (!used[p] || lock.contains(p)) continue;
-          const int64_t s = score_at(p);
-          if (best < 0 || s < best_score) {
-            best = p;
-            best_score = s;
-          }
-        }
-      }
-      eligible[t] = best >= 0 && (lfu || scores[i] >= best_score);
-      victim[t] = best;
-      any |= eligible[t] != 0;
+      if (first_round || dirty[b1[i]] || dirty[b2[i]]) pick_victim(i);
+      any |= eligible_of[i] != 0;
     }
+    first_round = false;
+    for (int64_t b : written) dirty[b] = 0;
+    written.clear();
     if (!any) break;
     // In priority order: an eligible key wins unless an earlier eligible key of this round
     // claimed one of its buckets; every eligible key claims both of its buckets.
-    SlotSet claimed(2 * n_active);
     int64_t kept = 0;
     for (int64_t t = 0; t < n_active; ++t) {
-      if (!eligible[t]) continue;
       const int64_t i = active[t];
-      const bool free1 = !claimed.contains(b1[i]), free2 = !claimed.contains(b2[i]);
-      claimed.insert(b1[i]);
-      claimed.insert(b2[i]);
+      if (!eligible_of[i]) continue;
+      const bool free1 = !claimed[b1[i]], free2 = !claimed[b2[i]];
+      claimed[b1[i]] = claimed[b2[i]] = 1;
+      claims.push_back(b1[i]);
+      claims.push_back(b2[i]);
       if (!(free1 && free2)) {
         active[kept++] = i;
         continue;
       }
-      const int64_t p = victim[t];
+      const int64_t p = victim_of[i];
       taken[e] = p;
       old_keys[e] = table_keys[p];
       old_scores[e] = score_at(p);
@@ -122,9 +100,13 @@ extern "C" int64_t dyn_evict_for(
         static_cast<int32_t*>(table_scores)[p] = static_cast<int32_t>(scores[i]);
       else
         static_cast<int64_t*>(table_scores)[p] = scores[i];
-      lock.insert(p);
+      lock[p] = 1;
       pos[i] = p;
+      dirty[p / W] = 1;
+      written.push_back(p / W);
     }
+    for (int64_t b : claims) claimed[b] = 0;
+    claims.clear();
     n_active = kept;
   }
   return e;
