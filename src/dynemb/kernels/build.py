@@ -73,7 +73,8 @@ def build() -> ctypes.CDLL:
     folder = cache_root() / name
     folder.mkdir(parents=True, exist_ok=True)
     library = folder / f"{name}.so"
-    if not library.exists():
+
+    def compile_() -> None:
         # ninja rebuilds only what changed and torch's file baton keeps parallel builders apart.
         cpp_extension.load(
             name=name,
@@ -84,7 +85,15 @@ def build() -> ctypes.CDLL:
             is_python_module=False,
             verbose=False,
         )
-    lib = ctypes.CDLL(str(library))
+
+    if not library.exists():
+        compile_()
+    try:
+        lib = ctypes.CDLL(str(library))
+    except OSError:
+        # Seen while another process was still writing it: wait for its build (the baton), retry.
+        compile_()
+        lib = ctypes.CDLL(str(library))
     for fn, codes in SIGNATURES.items():
         f = getattr(lib, fn)
         f.argtypes = [_CODES[c] for c in codes]
