@@ -252,3 +252,28 @@ def test_candidates_match_segments_candidates():
         got = candidates_native(index._segments, keys, s)
         want = index._segments.candidates(keys, s)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_cuckoo_moves_on_both_backends_same_slots(monkeypatch):
+    # A full-size index filled near capacity in small calls: new keys whose buckets are full
+    # get room by moving residents (chains of two); the move kernel must run and agree.
+    import dynemb.table.placement as placement
+
+    calls = []
+    real = placement.move_out_native
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(placement, "move_out_native", counted)
+    g = torch.Generator().manual_seed(11)
+    batches = [torch.randint(-(10**9), 10**9, (40,), generator=g) for _ in range(30)]
+    drive("step", lambda backend: KeyIndex(capacity=1024, bucket_capacity=8, backend=backend), batches)
+    assert calls
+    drive(
+        "lfu",
+        lambda backend: KeyIndex(capacities=[300, 700], bucket_capacity=4, score_strategy="lfu", backend=backend),
+        [torch.randint(-(10**9), 10**9, (60,), generator=g) for _ in range(25)],
+        segments=2,
+    )

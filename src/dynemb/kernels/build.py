@@ -27,6 +27,7 @@ SIGNATURES = {
     "dyn_rows_update": "pippiiiiddddddpi",
     "dyn_init_rows": "pippiiipdddi",
     "dyn_candidates": "ppppiippi",
+    "dyn_move_out": "pppipiiippppiiipppipip",
     "dyn_evict_for": "pppiiipppppipiippppi",
     "dyn_upsert_found": "pppiiippppippiipppi",
 }

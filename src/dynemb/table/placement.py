@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 
 from dynemb.kernels.evict import evict_for_native
+from dynemb.kernels.move import MAX_DEPTH as MOVE_KERNEL_DEPTH
+from dynemb.kernels.move import move_out_native
 from dynemb.kernels.place import place_free_native
 from dynemb.kernels.upsert import found_and_missing_native
 from dynemb.table.base import IndexResult
@@ -323,6 +325,10 @@ class BatchPlacement:
         Returns:
             Tensor[int64]: [S] the buckets none of whose keys could move.
         """
+        if self.native and depth <= MOVE_KERNEL_DEPTH:
+            stuck, made = move_out_native(self._keys, self._used, self._rows, self._scores, self._segments, buckets, depth, deep_limit)
+            moves.extend(made)
+            return stuck
         W = self.bucket_capacity
         full = buckets[self._used.index_select(0, buckets).all(1)]  # [F]
         F = full.numel()

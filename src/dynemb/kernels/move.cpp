@@ -1,0 +1,152 @@
+// Native twin of BatchPlacement._move_out: free one slot in each full bucket of a list by moving
+// one of its keys to that key's other candidate bucket (the one with most free slots, ties: lower
+// slot), several keys heading for one bucket taking its free slots in turn; with depth > 1, the
+// buckets none of whose keys could move first get room made in their keys' other buckets
+// (recursively), then try again. Q buckets, W slots per bucket.
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "common.h"
+
+using namespace dynemb;
+
+namespace {
+
+struct Mover {
+  int64_t* keys;
+  bool* used;
+  char* rows;
+  int64_t row_bytes;
+  char* scores;
+  int64_t score_bytes;
+  int64_t W, total;
+  const int64_t* of_bucket;  // [B] segment of each bucket, or null
+  const int64_t* seg_counts;
+  const int64_t* seg_offsets;
+  std::vector<int64_t> src_all, dst_all, steps;
+
+  int64_t free_in(int64_t b) const {
+    int64_t f = 0;
+    for (int64_t j = 0; j < W; ++j) f += !used[b * W + j];
+    return f;
+  }
+
+  // The other candidate of the key at a slot of bucket ``own`` (== own when both coincide).
+  int64_t other(int64_t key, int64_t own) const {
+    int64_t nb = total, off = 0;
+    if (of_bucket) {
+      const int64_t s = of_bucket[own];
+      nb = seg_counts[s];
+      off = seg_offsets[s];
+    }
+    const uint64_t m = mix64(static_cast<uint64_t>(key));
+    const int64_t r1 = bucket_of(m, nb) + off, r2 = bucket_of(mix64(m), nb) + off;
+    return r1 == own ? r2 : r1;
+  }
+
+  void copy_slot(int64_t from, int64_t to) {
+    keys[to] = keys[from];
+    std::copy(rows + from * row_bytes, rows + (from + 1) * row_bytes, rows + to * row_bytes);
+    std::copy(scores + from * score_bytes, scores + (from + 1) * score_bytes, scores + to * score_bytes);
+  }
+
+  std::vector<int64_t> move_out(const std::vector<int64_t>& buckets, int64_t depth, int64_t deep_limit) {
+    std::vector<int64_t> full;
+    for (int64_t b : buckets)
+      if (free_in(b) == 0) full.push_back(b);
+    const int64_t F = static_cast<int64_t>(full.size());
+    if (F == 0) return full;
+    // Every resident's other bucket and its free slots, on the state as the call starts.
+    std::vector<int64_t> alt(F * W), best(F), best_free(F);
+    for (int64_t f = 0; f < F; ++f) {
+      best_free[f] = -1;
+      for (int64_t j = 0; j < W; ++j) {
+        const int64_t a = other(keys[full[f] * W + j], full[f]);
+        alt[f * W + j] = a;
+        const int64_t fa = a == full[f] ? 0 : free_in(a);
+        if (fa > best_free[f]) {
+          best_free[f] = fa;
+          best[f] = j;
+        }
+      }
+    }
+    // Movable keys by target bucket (stable), each taking its target's first free slot now,
+    // which is the twin's rank-th free slot of the call's starting state.
+    std::vector<int64_t> movable;
+    for (int64_t f = 0; f < F; ++f)
+      if (best_free[f] > 0) movable.push_back(f);
+    std::stable_sort(movable.begin(), movable.end(), [&](int64_t x, int64_t y) { return alt[x * W + best[x]] < alt[y * W + best[y]]; });
+    int64_t n_moves = 0;
+    for (int64_t f : movable) {
+      const int64_t target = alt[f * W + best[f]];
+      int64_t dst = -1;
+      for (int64_t j = 0; j < W && dst < 0; ++j)
+        if (!used[target * W + j]) dst = target * W + j;
+      if (dst < 0) continue;
+      const int64_t src = full[f] * W + best[f];
+      copy_slot(src, dst);
+      used[dst] = true;
+      used[src] = false;
+      src_all.push_back(src);
+      dst_all.push_back(dst);
+      ++n_moves;
+    }
+    steps.push_back(n_moves);
+    std::vector<int64_t> stuck;
+    for (int64_t f = 0; f < F; ++f)
+      if (best_free[f] <= 0) stuck.push_back(f);
+    if (depth > 1 && deep_limit > 0 && !stuck.empty()) {
+      const int64_t n_explore = std::min<int64_t>(deep_limit, static_cast<int64_t>(stuck.size()));
+      std::vector<int64_t> explore, deeper;
+      for (int64_t t = 0; t < n_explore; ++t) {
+        const int64_t f = stuck[t];
+        explore.push_back(full[f]);
+        for (int64_t j = 0; j < W; ++j)
+          if (alt[f * W + j] != full[f]) deeper.push_back(alt[f * W + j]);
+      }
+      std::sort(deeper.begin(), deeper.end());
+      deeper.erase(std::unique(deeper.begin(), deeper.end()), deeper.end());
+      if (!deeper.empty()) {
+        move_out(deeper, depth - 1, deep_limit);
+        std::vector<int64_t> out = move_out(explore, 1, 0);
+        for (int64_t t = n_explore; t < static_cast<int64_t>(stuck.size()); ++t) out.push_back(full[stuck[t]]);
+        return out;
+      }
+    }
+    std::vector<int64_t> out;
+    for (int64_t f : stuck) out.push_back(full[f]);
+    return out;
+  }
+};
+
+}  // namespace
+
+// Returns the number of stuck buckets (written to ``stuck``); ``src`` / ``dst`` get the moves,
+// ``steps`` how many each invocation made (one entry per invocation that found a full bucket,
+// in call order, as the twin appends them), ``n_out`` [2] the number of moves and of steps.
+extern "C" int64_t dyn_move_out(
+    int64_t* table_keys, bool* used, void* table_rows, int64_t row_bytes, void* table_scores, int64_t score_bytes,
+    int64_t W, int64_t total_buckets,
+    const int64_t* of_bucket, const int64_t* seg_counts, const int64_t* seg_offsets,
+    const int64_t* buckets, int64_t q,   // [Q] distinct
+    int64_t depth, int64_t deep_limit,
+    int64_t* stuck,                      // [Q] out
+    int64_t* src, int64_t* dst,          // [capacity] out
+    int64_t capacity,
+    int64_t* steps, int64_t max_steps,   // out
+    int64_t* n_out) {                    // [2] out
+  Mover m{table_keys, used, static_cast<char*>(table_rows), row_bytes, static_cast<char*>(table_scores), score_bytes, W, total_buckets,
+          of_bucket, seg_counts, seg_offsets, {}, {}, {}};
+  std::vector<int64_t> list(buckets, buckets + q);
+  std::vector<int64_t> out = m.move_out(list, depth, deep_limit);
+  const int64_t n_moves = static_cast<int64_t>(m.src_all.size()), n_steps = static_cast<int64_t>(m.steps.size());
+  if (n_moves > capacity || n_steps > max_steps) return -1;
+  std::copy(m.src_all.begin(), m.src_all.end(), src);
+  std::copy(m.dst_all.begin(), m.dst_all.end(), dst);
+  std::copy(m.steps.begin(), m.steps.end(), steps);
+  std::copy(out.begin(), out.end(), stuck);
+  n_out[0] = n_moves;
+  n_out[1] = n_steps;
+  return static_cast<int64_t>(out.size());
+}
