@@ -120,14 +120,14 @@ class Floor:
     """A static [K, D] tensor on dense ids with the update fused by hand (see the module doc).
     Buffers sized for N ids are allocated once: fresh 32 MiB tensors page-fault every step."""
 
-    def __init__(self, case: str, num_rows: int, v: torch.Tensor, ids_per_step: int = IDS_PER_STEP):
+    def __init__(self, case: str, num_rows: int, v: torch.Tensor, ids_per_step: int = IDS_PER_STEP, device: str = "cpu"):
         self.case, self.v = case, v
-        self.weight = torch.randn(num_rows, DIM)
-        self.state = torch.zeros(num_rows, 1) if case != "sgd" else None
-        self.rows = torch.empty(ids_per_step, DIM)  # [<=N, D] the unique ids' rows
-        self.out = torch.empty(ids_per_step, DIM)  # [N, D] forward output
-        self.grad = torch.empty(ids_per_step, DIM)  # [<=N, D] gradient per unique id
-        self.square = torch.empty(ids_per_step, DIM)  # [<=N, D] row-wise Adagrad scratch
+        self.weight = torch.randn(num_rows, DIM, device=device)
+        self.state = torch.zeros(num_rows, 1, device=device) if case != "sgd" else None
+        self.rows = torch.empty(ids_per_step, DIM, device=device)  # [<=N, D] the unique ids' rows
+        self.out = torch.empty(ids_per_step, DIM, device=device)  # [N, D] forward output
+        self.grad = torch.empty(ids_per_step, DIM, device=device)  # [<=N, D] gradient per unique id
+        self.square = torch.empty(ids_per_step, DIM, device=device)  # [<=N, D] row-wise Adagrad scratch
 
     def step(self, ids: torch.Tensor) -> None:
         uniq, inverse = torch.unique(ids, return_inverse=True)  # [U], [N]
@@ -152,9 +152,9 @@ class Floor:
 class Contender:
     """dynemb.DynamicEmbedding on raw int64 keys; the optimizer runs inside backward."""
 
-    def __init__(self, case: str, v: torch.Tensor, capacity: int):
+    def __init__(self, case: str, v: torch.Tensor, capacity: int, device: str = "cpu", backend: str = "auto"):
         self.v = v
-        self.table = dynemb.DynamicEmbedding(DIM, capacity, optimizer=dynemb_optimizer(case), check_mode="count")
+        self.table = dynemb.DynamicEmbedding(DIM, capacity, optimizer=dynemb_optimizer(case), check_mode="count", device=device, backend=backend)
 
     def step(self, keys: torch.Tensor) -> None:
         out = self.table(keys)  # [N, D]

@@ -8,8 +8,9 @@ oracle, and what runs on other devices or where the kernels cannot build) and th
 the ``.cpp`` of the same name. A table chooses with its ``backend`` config field:
 
 - ``"torch"``: plain torch everywhere.
-- ``"native"``: the compiled kernels on CPU tables; ValueError if they cannot be built.
-- ``"auto"`` (default): the kernels where they build (one warning, once, where they do not);
+- ``"native"``: the compiled kernels: C++ on CPU tables, Triton (:mod:`dynemb.kernels.gpu`:
+  locate, update, init) on CUDA tables; ValueError if they cannot run.
+- ``"auto"`` (default): the kernels where they run (one warning, once, where they do not);
   the environment variable ``DYNEMB_BACKEND`` (``torch`` or ``native``) decides for "auto".
 
 Tables on other devices run plain torch under every backend.
@@ -27,6 +28,9 @@ import torch
 from dynemb.types import Backend
 
 ENV = "DYNEMB_BACKEND"
+# The optimizers the update kernels (update.cpp, gpu/update.py) know, by the kind code their
+# RowOptimizer.native_update() gives.
+UPDATE_KINDS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2, "adam": 3}
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -57,27 +61,50 @@ def library() -> ctypes.CDLL | None:
         return _library
 
 
-def uses_native(backend: Backend | str, device: torch.device | str) -> bool:
-    """Whether a table of ``backend`` on ``device`` runs the compiled kernels."""
-    global _warned
+def _resolve(backend: Backend | str) -> tuple[bool, bool]:
+    """(whether ``backend`` asks for compiled kernels, whether it requires them)."""
     backend = check_backend(backend)
     if backend is Backend.TORCH:
-        return False
-    required = backend is Backend.NATIVE
+        return False, False
     if backend is Backend.AUTO:
         env = _env_backend()
-        if env is Backend.TORCH:
-            return False
-        required = env is Backend.NATIVE
-    if torch.device(device).type != "cpu":
+        return env is not Backend.TORCH, env is Backend.NATIVE
+    return True, True
+
+
+def _unavailable(required: bool, what: str, failure: str | None, fallback: str) -> None:
+    """Raise (``required``) or warn once that the kernels ``what`` cannot run."""
+    global _warned
+    if required:
+        raise ValueError(f"backend='native': {what} cannot run here ({failure}); use backend='torch' or 'auto'")
+    if not _warned:
+        _warned = True
+        warnings.warn(f"dynemb: {what} unavailable ({failure}); running {fallback}", RuntimeWarning, stacklevel=4)
+
+
+def uses_native(backend: Backend | str, device: torch.device | str) -> bool:
+    """Whether a table of ``backend`` on ``device`` runs the compiled CPU kernels."""
+    wanted, required = _resolve(backend)
+    if not wanted or torch.device(device).type != "cpu":
         return False
     if library() is not None:
         return True
-    if required:
-        raise ValueError(f"backend='native': dynemb's compiled CPU kernels could not be built here ({_failure}); use backend='torch' or 'auto'")
-    if not _warned:
-        _warned = True
-        warnings.warn(f"dynemb: compiled CPU kernels unavailable ({_failure}); running the plain-torch kernels", RuntimeWarning, stacklevel=3)
+    _unavailable(required, "dynemb's compiled CPU kernels", _failure, "the plain-torch kernels")
+    return False
+
+
+def uses_triton(backend: Backend | str, device: torch.device | str) -> bool:
+    """Whether a table of ``backend`` on ``device`` runs the Triton kernels
+    (:mod:`dynemb.kernels.gpu`): CUDA tables whose backend asks for compiled kernels, where
+    Triton imports."""
+    wanted, required = _resolve(backend)
+    if not wanted or torch.device(device).type != "cuda":
+        return False
+    from dynemb.kernels.gpu import failure
+
+    if failure() is None:
+        return True
+    _unavailable(required, "dynemb's Triton kernels", failure(), "plain torch on the GPU")
     return False
 
 

@@ -29,6 +29,10 @@ def init_rows_native(table: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor
     """Write the per-key uniform rows of keys [n] on [low, high) (seed ``seed``) and the
     constant ``state_value`` in every state column into ``table`` ([R, D+S] float32,
     contiguous) at ``rows`` [n]."""
+    if table.is_cuda:
+        from dynemb.kernels.gpu.init import init_rows_triton
+
+        return init_rows_triton(table, rows, keys, D, seed, low, high, state_value)
     salt, cols = init_salt_and_columns(seed, (D + 1) // 2)
     rows, keys = rows.contiguous(), keys.contiguous()
     library().dyn_init_rows(ptr(table), table.shape[1], ptr(rows), ptr(keys), keys.numel(), D, salt, ptr(cols), low, high - low, state_value, threads())

@@ -56,6 +56,10 @@ def locate_native(
         segments: the index's :class:`dynemb.table.geometry.Segments` (bucket counts, offsets).
         seg (Tensor[int64] | None): [N] segment of each key, None for an index of one segment.
     """
+    if keys.is_cuda:
+        from dynemb.kernels.gpu.locate import locate_triton
+
+        return locate_triton(table_keys, used, segments, keys, seg, table_rows)
     keys = keys.contiguous()
     seg = None if seg is None else seg.contiguous()
     n = keys.numel()
@@ -85,6 +89,10 @@ def locate_native(
 def candidates_native(segments, keys: torch.Tensor, seg: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The two candidate buckets of keys ([N] -> two [N] int64), bitwise
     :meth:`dynemb.table.geometry.Segments.candidates` (its plain-torch twin)."""
+    if keys.is_cuda:
+        from dynemb.kernels.gpu.locate import candidates_triton
+
+        return candidates_triton(segments, keys, seg)
     keys = keys.contiguous()
     seg = None if seg is None else seg.contiguous()
     n = keys.numel()

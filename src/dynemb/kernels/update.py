@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from dynemb.kernels import UPDATE_KINDS as KINDS
 from dynemb.kernels import library, ptr, threads
-
-# The optimizers update.cpp knows, by the kind code their native_update() gives.
-KINDS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2, "adam": 3}
 
 
 def update_rows_native(table: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor, spec: dict, *, check: bool) -> torch.Tensor | None:
@@ -31,6 +29,10 @@ def update_rows_native(table: torch.Tensor, rows: torch.Tensor, grads: torch.Ten
     Returns:
         Tensor[bool] [U] of the rows left unchanged, or None (none, or ``check`` off).
     """
+    if table.is_cuda:
+        from dynemb.kernels.gpu.update import update_rows_triton
+
+        return update_rows_triton(table, rows, grads, spec, check=check)
     n, D = grads.shape
     rows = rows.contiguous()
     if grads.stride(1) != 1:

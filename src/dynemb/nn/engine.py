@@ -373,14 +373,14 @@ class Engine:
                 new_steps[s] += 1
             D = self.embedding_dim
             steps = set(new_steps)
-            spec = native_update_spec(self.index.native, self.optimizer, self.store, grads, steps, nonfinite)
+            spec = native_update_spec(self.index.compiled, self.optimizer, self.store, grads, steps, nonfinite)
             if spec is not None:
                 # The compiled kernel: one pass over the rows in the store, non-finite rows kept.
                 bad = update_rows_native(self.store.data, rows, grads, spec, check=nonfinite is NonFiniteGrads.SKIP)
             else:
                 if data is None:
                     data = self.store.gather(rows)
-                update_by_step(self.optimizer, data, D, grads, new_steps, segments, self.index.native)
+                update_by_step(self.optimizer, data, D, grads, new_steps, segments, self.index.compiled)
                 tables = None if segments is None else (lambda bad: sorted({self.configs[s].name for s in segments[bad].tolist()}))
                 # Raises (under 'raise') before anything is written: rows, step counts and counters.
                 bad = screen_update(keys, grads, data, nonfinite, agree=agree, tables=tables)

@@ -114,7 +114,7 @@ def init_rows_in_place(engine, rows: torch.Tensor, keys: torch.Tensor, segments:
     float32 tensor, an initializer other than per-key uniform, or an optimizer state that does
     not start at a constant. The rows are bitwise those :meth:`Engine.new_rows` gives."""
     store, optimizer = engine.store, engine.optimizer
-    if not engine.index.native or type(store) is not DeviceRowStore or store.data.dtype != torch.float32 or not store.data.is_contiguous():
+    if not engine.index.compiled or type(store) is not DeviceRowStore or store.data.dtype != torch.float32 or not store.data.is_contiguous():
         return False
     state_value = 0.0 if optimizer is None else optimizer.initial_state_value()
     inits = [engine.initializers[members[0]] for members in engine.init_groups]

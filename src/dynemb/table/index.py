@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from dynemb.config import resolve_device
-from dynemb.kernels import check_backend, uses_native
+from dynemb.kernels import check_backend, uses_native, uses_triton
 from dynemb.kernels.dedup import dedup_torch
 from dynemb.kernels.locate import candidates_native, locate_native, locate_torch
 from dynemb.table.base import IndexResult
@@ -138,6 +138,7 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
         self.device = resolve_device(device)
         self.backend = check_backend(backend)
         self.native = uses_native(self.backend, self.device)
+        self.triton = uses_triton(self.backend, self.device)
         self.max_load_factor = float(max_load_factor)
         self.num_segments = len(plan)
         self._segment_init_buckets = [p[0] for p in plan]
@@ -224,6 +225,12 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
                 )
 
     @property
+    def compiled(self) -> bool:
+        """Whether compiled kernels locate this index's keys, and update and initialise its
+        table's rows: C++ on CPU (``native``), Triton on CUDA (``triton``)."""
+        return self.native or self.triton
+
+    @property
     def segment_buckets(self) -> torch.Tensor:
         """Buckets of each segment now ([S] int64)."""
         return self._segments.counts
@@ -259,7 +266,7 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
     def _buckets(self, keys: torch.Tensor, seg: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The two candidate buckets of keys ([N] -> two [N]); ``seg``: [N] segment of each key,
         None for an index of one segment."""
-        if self.native:
+        if self.compiled:
             return candidates_native(self._segments, keys, seg)
         return self._segments.candidates(keys, seg)
 
@@ -275,7 +282,7 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
 
     def _locate(self, keys: torch.Tensor, seg: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat slot of each key (-1 if absent) and whether it is present ([N] int64, [N] bool)."""
-        if self.native:
+        if self.compiled:
             pos, found, _ = locate_native(self._keys, self._used, self._segments, keys, seg)
             return pos, found
         b1, b2 = self._buckets(keys, seg)
@@ -313,7 +320,7 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
         """
         flat = self._check_keys(keys)
         seg = self._check_segments(segments, flat.numel())
-        if self.native:
+        if self.compiled:
             _, found, rows = locate_native(self._keys, self._used, self._segments, flat, seg, self._rows)
             return rows.view(keys.shape), found.view(keys.shape)
         pos, found = self._locate(flat, seg)
@@ -473,6 +480,7 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
                 self._segment_size = self._segment_size.to(device)
         self.device = device
         self.native = uses_native(self.backend, device)
+        self.triton = uses_triton(self.backend, device)
         self._segments = self._segments.to(device)
         self._set_tables(tables)
         self.free_list.to(device)
