@@ -150,7 +150,7 @@ needs_cuda = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs CUDA"
 @pytest.mark.parametrize("mark", [pytest.param(0, marks=needs_cuda)])
 def test_a_cuda_table_trains_the_same_on_both_backends(optimizer, mark):
     g = torch.Generator().manual_seed(0)
-    tables = [dynemb.DynamicEmbedding(16, 2048, optimizer=optimizer, backend=b, seed=5, device="cuda") for b in ("torch", "native")]
+    tables = [dynemb.DynamicEmbedding(16, 1 << 15, optimizer=optimizer, backend=b, seed=5, device="cuda") for b in ("torch", "native")]
     assert [t.engine.index.triton for t in tables] == [False, True]
     v = torch.randn(16, generator=g).cuda()
     for _ in range(6):

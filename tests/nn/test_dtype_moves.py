@@ -419,6 +419,7 @@ def test_cuda_move_and_half_train_and_come_back(kind):
     for t in table_names(kind):
         emb, _ = rows_of(ours.sparse, kind, t)
         assert emb.device.type == "cuda" and emb.dtype == torch.float16
-        torch.testing.assert_close(emb, ref.sparse[t].weight.detach())
+        # The reference steps in float16; ours in float32, rounded once: a few float16 ulps apart.
+        torch.testing.assert_close(emb, ref.sparse[t].weight.detach(), rtol=4e-3, atol=1e-4)
     ours.cpu().float()
     assert rows_of(ours.sparse, kind, table_names(kind)[0])[0].device == torch.device("cpu")

@@ -85,9 +85,9 @@ def sequence_step(table, ids):
 
 
 def pooled_step(table, ids):
-    offsets = torch.arange(0, ids.numel(), ids.numel() // B)[:B]
+    offsets = torch.arange(0, ids.numel(), ids.numel() // B, device=ids.device)[:B]
     out = table(ids, offsets)  # [B, D]
-    (out.square() * torch.linspace(-1, 1, D)).sum().backward()
+    (out.square() * torch.linspace(-1, 1, D, device=ids.device)).sum().backward()
     return out.detach()
 
 

@@ -398,7 +398,7 @@ def test_cuda_matches_cpu_and_moves_back():
     for i, part in enumerate(keys.split(100)):
         a, b = cpu.find_or_insert(part, now=500 + i), cuda.find_or_insert(part.cuda(), now=500 + i)
         assert b.rows.device.type == "cuda"
-        _same_result(type(b)(**{f: getattr(b, f).cpu() for f in b.__dataclass_fields__}), a)
+        _same_result(type(b)(**{f: None if getattr(b, f) is None else getattr(b, f).cpu() for f in b.__dataclass_fields__}), a)
         cpu.erase(part[:9])
         cuda.erase(part[:9].cuda())
     _same_state(cpu.state_dict(), {k: v.cpu() for k, v in cuda.state_dict().items()})

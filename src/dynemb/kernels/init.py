@@ -18,7 +18,7 @@ from dynemb.kernels import library, ptr, threads
 def init_rows_torch(table: torch.Tensor, rows: torch.Tensor, embeddings: torch.Tensor, optimizer) -> None:
     """Write embeddings [n, D] and ``optimizer``'s initial state into ``table``'s rows [n]."""
     D = embeddings.shape[1]
-    new = torch.empty(rows.numel(), table.shape[1], dtype=table.dtype)
+    new = torch.empty(rows.numel(), table.shape[1], dtype=table.dtype, device=table.device)
     new[:, :D] = embeddings
     if table.shape[1] > D:
         optimizer.init_state(new[:, D:])
