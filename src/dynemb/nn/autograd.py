@@ -7,6 +7,8 @@ N ids, U unique keys, D embedding dim.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -75,12 +77,21 @@ class FusedSequence(torch.autograd.Function):
     key and applies the table's optimizer."""
 
     @staticmethod
-    def forward(ctx, trigger, lookup: Lookup, inverse: torch.Tensor, embedding_dim: int):
+    def forward(ctx, trigger, lookup: Lookup, inverse: torch.Tensor, embedding_dim: int, out: Callable[..., torch.Tensor] | None = None):
         ctx.lookup, ctx.inverse = lookup, inverse
-        D = embedding_dim
-        return lookup.data[:, :D].index_select(0, inverse.reshape(-1)).view(*inverse.shape, D)
+        return expand_rows(lookup.data, inverse, embedding_dim, out)
 
     @staticmethod
     def backward(ctx, grad):
         ctx.lookup.apply(inverse=ctx.inverse.reshape(-1), grad=grad.reshape(-1, grad.shape[-1]))
-        return None, None, None, None
+        return None, None, None, None, None
+
+
+def expand_rows(data: torch.Tensor, inverse: torch.Tensor, D: int, out: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+    """The first D columns of rows ``data`` [U, >= D] at ``inverse`` [*] -> [*, D]; ``out``, if
+    given, makes the [N, D] tensor written into (``out(shape, dtype, device)``, e.g. a
+    :class:`dynemb.workspace.Recycler`'s ``get`` bound to a name)."""
+    flat = inverse.reshape(-1)
+    if out is None:
+        return data[:, :D].index_select(0, flat).view(*inverse.shape, D)
+    return torch.index_select(data[:, :D], 0, flat, out=out((flat.numel(), D), data.dtype, data.device)).view(*inverse.shape, D)

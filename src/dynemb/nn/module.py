@@ -15,15 +15,15 @@ gives it a single table's API and state_dict.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch.utils.hooks import RemovableHandle
 
 from dynemb.config import TableConfig
 from dynemb.kernels.dedup import dedup
-from dynemb.nn.autograd import FusedEmbeddings, FusedSequence, Lookup
+from dynemb.nn.autograd import FusedEmbeddings, FusedSequence, Lookup, expand_rows
 from dynemb.nn.collective import collective
 from dynemb.nn.inputs import as_ids
 from dynemb.nn.state import expected_table_entries, load_own_entries, load_table_entries, table_entries
@@ -170,10 +170,12 @@ class DynamicTable(DynamicTables):
     def lookup_sequence(self, ids) -> torch.Tensor:
         """One embedding per id: ids [*] -> [*, D]; in training, backward updates the rows."""
         lookup, inverse = self._gather(ids)
+        # The [*, D] output in recycled memory on CPU (a fresh one page-faults every step).
+        out = functools.partial(self._recycler.get, "sequence")
         if self._trains():
             trigger = torch.empty(0, device=self.device, requires_grad=True)
-            return FusedSequence.apply(trigger, lookup, inverse, self.embedding_dim)
-        return F.embedding(inverse, lookup.data[:, : self.embedding_dim])
+            return FusedSequence.apply(trigger, lookup, inverse, self.embedding_dim, out)
+        return expand_rows(lookup.data, inverse, self.embedding_dim, out)
 
     def deferred_grad(self) -> torch.Tensor | None:
         """The pending gradient [P, D] (the live tensor: scaling it in place scales the next

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from dynemb.config import ROW_DTYPES, resolve_device
-from dynemb.workspace import empty
+from dynemb.workspace import Recycler, empty
 
 
 class DeviceRowStore:
@@ -50,7 +50,21 @@ class DeviceRowStore:
             self.data = grown
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.data.index_select(0, rows)
+        if self.device.type != "cpu":
+            return self.data.index_select(0, rows)
+        # On CPU into a recycled block: a fresh [n, D+S] page-faults on every call, and the
+        # block is reused only once nothing can read the last result (dynemb.workspace.Recycler).
+        recycler = self.__dict__.get("_recycler")
+        if recycler is None:
+            recycler = self._recycler = Recycler()
+        out = recycler.get("gather", (rows.numel(), self.width), self.dtype, self.device)
+        return torch.index_select(self.data, 0, rows, out=out)
+
+    def __getstate__(self) -> dict:
+        # A copy (or pickle) never shares, or carries, the recycled output memory.
+        state = self.__dict__.copy()
+        state.pop("_recycler", None)
+        return state
 
     def scatter(self, rows: torch.Tensor, values: torch.Tensor) -> None:
         if values.dim() != 2 or values.shape[1] > self.width or values.dtype != self.dtype:
