@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from dynemb.kernels.init import init_rows_native
 from dynemb.kernels.update import update_rows_native
@@ -20,6 +21,7 @@ from dynemb.storage.base import RowStore
 from dynemb.storage.device_store import DeviceRowStore
 from dynemb.table.base import IndexResult
 from dynemb.types import InitKind, NonFiniteGrads
+from dynemb.workspace import Workspace
 
 
 def nonfinite_rows(values: torch.Tensor) -> torch.Tensor | None:
@@ -91,6 +93,20 @@ def update_by_step(
             part = data.index_select(0, sel)
             update_rows(optimizer, part, D, grads.index_select(0, sel), step, native)
             data.index_copy_(0, sel, part)
+
+
+def sum_per_key(
+    grad: torch.Tensor, inverse: torch.Tensor, grouping: tuple[torch.Tensor, torch.Tensor] | None, workspace: Workspace, name: str, U: int
+) -> torch.Tensor:
+    """The gradient of N ids [N, D] summed per key [U, D] by ``inverse`` [N] (each id's key), or by
+    the de-duplication's ``grouping`` (order [N], starts [U]) where it gave one: one parallel
+    gather-sum per key (embedding_bag; a compiled twin writing into a kept buffer was slower,
+    perf-log 2026-11-26). Without a grouping the sum goes into ``workspace``'s buffer ``name``
+    (a fresh [U, D] page-faults on CPU), which the caller consumes before the next call."""
+    if grouping is not None:
+        order, starts = grouping
+        return F.embedding_bag(order, grad, starts, mode="sum")
+    return workspace.get(name, U, (grad.shape[1],), grad.dtype).zero_().index_add_(0, inverse, grad)
 
 
 def native_update_spec(native: bool, optimizer: RowOptimizer, store: RowStore, grads: torch.Tensor, steps: set[int], policy: NonFiniteGrads) -> dict | None:

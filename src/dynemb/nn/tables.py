@@ -21,7 +21,6 @@ import warnings
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch.utils.hooks import RemovableHandle
 
 from dynemb.config import TableConfig
@@ -32,6 +31,7 @@ from dynemb.nn.clock import TimestampClock
 from dynemb.nn.collective import collective
 from dynemb.nn.deferred import GradAccumulator
 from dynemb.nn.engine import Engine, Resolved, group_key
+from dynemb.nn.functional import sum_per_key
 from dynemb.nn.inputs import agreed_input, as_ids, checked_insert
 from dynemb.nn.moves import conversion_target
 from dynemb.optim.base import RowOptimizer
@@ -283,15 +283,9 @@ class DynamicTables(torch.nn.Module):
         engine's tables (or add to the pending gradient when deferred). Called by the lookup."""
         with self._lock:
             engine = self.engines[lookup.group]
-            if grad_u is None and lookup.grouping is not None:
-                # The ids in key order (the dedup's sort): one parallel gather-sum per key.
-                order, starts = lookup.grouping
-                grad_u = F.embedding_bag(order, grad, starts, mode="sum")
-            elif grad_u is None:
-                # Summed into a buffer kept between steps (a fresh [U, D] page-faults on CPU); the
-                # engine (or the accumulator) consumes it before the lock is released.
-                buf = self._workspace.get(f"grad{lookup.group}", lookup.keys.numel(), (engine.embedding_dim,), grad.dtype)
-                grad_u = buf.zero_().index_add_(0, inverse, grad)
+            if grad_u is None:
+                # Into a buffer kept between steps, consumed before the lock is released.
+                grad_u = sum_per_key(grad, inverse, lookup.grouping, self._workspace, f"grad{lookup.group}", lookup.keys.numel())
             if self._pending is not None:
                 keys, segs = lookup.keys, lookup.segments
                 ok = lookup.rows >= 0
