@@ -78,11 +78,12 @@ def _locate_kernel(
             tl.store(rows_out + i, r, mask=m)
 
 
-def _launch(table_keys, used, segments, keys, seg, table_rows, probe: bool, outs) -> None:
+def _launch(table_keys, used, table_rows, W: int, total_buckets: int, segments, keys, seg, probe: bool, outs) -> None:
+    """One launch over the N keys: candidates only (``probe`` False, outs = b1, b2) or the probe
+    (outs = pos, found, rows)."""
     n = keys.numel()
     if n == 0:
         return
-    W = table_keys.shape[1]
     WP = triton.next_power_of_2(W)
     block = max(1, TILE // WP)
     has_seg = seg is not None
@@ -91,7 +92,7 @@ def _launch(table_keys, used, segments, keys, seg, table_rows, probe: bool, outs
         used,
         table_rows if table_rows is not None else table_keys,
         W,
-        table_keys.shape[0],
+        total_buckets,
         keys,
         seg if has_seg else keys,
         segments.counts if has_seg else keys,
@@ -124,7 +125,8 @@ def locate_triton(
     pos = torch.empty(n, dtype=torch.int64, device=device)
     found = torch.empty(n, dtype=torch.bool, device=device)
     rows = None if table_rows is None else torch.empty(n, dtype=torch.int64, device=device)
-    _launch(table_keys, used, segments, keys, seg, table_rows, True, (pos, found, rows if rows is not None else pos))
+    outs = (pos, found, rows if rows is not None else pos)
+    _launch(table_keys, used, table_rows, table_keys.shape[1], table_keys.shape[0], segments, keys, seg, True, outs)
     return pos, found, rows
 
 
@@ -134,29 +136,5 @@ def candidates_triton(segments, keys: torch.Tensor, seg: torch.Tensor | None) ->
     keys = keys.contiguous()
     seg = None if seg is None else seg.contiguous()
     b1, b2 = torch.empty_like(keys), torch.empty_like(keys)
-    dummy = keys.new_empty((1, 1))
-    n = keys.numel()
-    if n:
-        W, block = 1, TILE
-        _locate_kernel[(triton.cdiv(n, block),)](
-            dummy,
-            dummy,
-            dummy,
-            W,
-            segments.total,
-            keys,
-            seg if seg is not None else keys,
-            segments.counts if seg is not None else keys,
-            segments.offsets if seg is not None else keys,
-            n,
-            b1,
-            b2,
-            b1,
-            HAS_SEG=seg is not None,
-            HAS_ROWS=False,
-            PROBE=False,
-            WP=1,
-            BLOCK=block,
-            **launch_options(),
-        )
+    _launch(keys, keys, None, 1, segments.total, segments, keys, seg, False, (b1, b2, b1))
     return b1, b2
