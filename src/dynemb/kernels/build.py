@@ -24,6 +24,7 @@ SIGNATURES = {
     "dyn_locate": "ppiippppipppipi",
     "dyn_place_free": "pppppiiipppipppipi",
     "dyn_dedup": "pippppppipi",
+    "dyn_sort_unique": "pipppppi",
     "dyn_rows_update": "pippiiiiddddddpi",
     "dyn_init_rows": "pippiiipdddi",
     "dyn_candidates": "ppppiippi",

@@ -25,7 +25,7 @@ import torch
 
 from dynemb.config import resolve_device
 from dynemb.kernels import check_backend, uses_native
-from dynemb.kernels.dedup import dedup_torch
+from dynemb.kernels.dedup import dedup_torch, sort_unique_native
 from dynemb.kernels.locate import candidates_native, locate_native, locate_torch
 from dynemb.table.base import IndexResult
 from dynemb.table.free_list import FreeList
@@ -284,9 +284,12 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
     def _dedup(self, keys: torch.Tensor, seg: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """(unique [U], their segments [U] or None, inverse [N], counts [U]) of keys [N].
 
-        Plain torch on both backends: torch.unique's parallel sort beat the one-thread hashing
-        kernel on W2's random keys (2.2 vs 7.0 ms for 65,536 keys, perf-log 2026-11-25); the
-        module still takes the kernel where its grouping saves the backward's scatter-add."""
+        Native without segments: ``dyn_sort_unique``, a parallel sort (1.0 vs 2.2 ms for
+        torch.unique on W2's 65,536 random keys, perf-log 2026-11-26; the hashing kernel took
+        7.0); else plain torch (torch.unique's parallel sort, bitwise the same)."""
+        if self.native and seg is None:
+            unique, _, inverse, counts, _ = sort_unique_native(keys, workspace=self._workspace)
+            return unique, None, inverse, counts
         return dedup_torch(keys, seg)
 
     def candidate_buckets(self, keys: torch.Tensor, segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
