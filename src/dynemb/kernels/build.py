@@ -25,6 +25,8 @@ SIGNATURES = {
     "dyn_place_free": "pppppiiipppipppipi",
     "dyn_dedup": "pippppppipi",
     "dyn_sort_unique": "pipppppi",
+    "dyn_rows_at": "pipipi",
+    "dyn_rows_put": "pippii",
     "dyn_rows_update": "pippiiiiddddddpi",
     "dyn_init_rows": "pippiiipdddi",
     "dyn_candidates": "ppppiippi",

@@ -50,8 +50,14 @@ extern "C" int64_t dyn_upsert_found(
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const int64_t lo = blk * PROBE_BLOCK, len = lo + PROBE_BLOCK < n ? PROBE_BLOCK : n - lo;
       int64_t* at = pos + lo;
-      probe_block(table_keys, used, W, cand, keys + lo, lo, len, at, scores, score_bytes);
+      probe_block(table_keys, used, W, cand, keys + lo, lo, len, at);
+      // The found keys' score lines, 2 * PROBE_AHEAD keys ahead (prefetching both buckets'
+      // score lines with the probe fetched two lines a key, one never written).
+      constexpr int64_t AHEAD = 2 * PROBE_AHEAD;
+      for (int64_t i = 0; i < AHEAD && i < len; ++i)
+        if (at[i] >= 0) __builtin_prefetch(scores + at[i] * score_bytes, 1);
       for (int64_t i = 0; i < len; ++i) {
+        if (i + AHEAD < len && at[i + AHEAD] >= 0) __builtin_prefetch(scores + at[i + AHEAD] * score_bytes, 1);
         found[lo + i] = at[i] >= 0;
         if (at[i] < 0) continue;
         if (score_bytes == 4)

@@ -27,6 +27,7 @@ from dynemb.config import resolve_device
 from dynemb.kernels import check_backend, uses_native
 from dynemb.kernels.dedup import dedup_torch, sort_unique_native
 from dynemb.kernels.locate import candidates_native, locate_native, locate_torch
+from dynemb.kernels.rows import rows_at_native
 from dynemb.table.base import IndexResult
 from dynemb.table.free_list import FreeList
 from dynemb.table.geometry import SCORE_MAX, SCORE_MIN, Segments, bucket_width, bytes_per_slot, index_bytes, plan_buckets, rounded_capacity, row_dtype
@@ -204,6 +205,8 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
 
     def _rows_at(self, pos: torch.Tensor) -> torch.Tensor:
         """Row ids at flat slots ``pos`` ([n], each >= 0) as int64."""
+        if self.native:
+            return rows_at_native(self._rows, pos)
         return self._rows.view(-1).index_select(0, pos).to(torch.int64)
 
     def _scores_at(self, pos: torch.Tensor) -> torch.Tensor:
