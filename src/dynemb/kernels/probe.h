@@ -1,4 +1,5 @@
-// The probe shared by locate.cpp and upsert.cpp: the slot of each key of a block, the first
+// The probe of upsert.cpp (locate.cpp's dyn_locate is the same loop, with the row ids read in
+// it): the slot of each key of a block, the first
 // used match among its first candidate bucket's W slots, then its second's. While key i is
 // compared, the lines of key i + PROBE_AHEAD's two buckets are prefetched (keys, used flags and
 // optionally a third table's entries), a window the core's outstanding misses can serve.
