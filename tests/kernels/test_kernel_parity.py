@@ -277,3 +277,36 @@ def test_cuckoo_moves_on_both_backends_same_slots(monkeypatch):
         [torch.randint(-(10**9), 10**9, (60,), generator=g) for _ in range(25)],
         segments=2,
     )
+
+
+@pytest.mark.parametrize("case", ["random", "skewed", "narrow", "extremes"])
+def test_sort_dedup_matches_torch_unique_on_large_batches(case):
+    # Large enough for both threads, many most-significant-digit buckets and the recursive
+    # sort of crowded buckets (a hot key's copies, keys close together).
+    n = 200_000
+    keys = {
+        "random": torch.cat([random_keys(n, 11), random_keys(n, 11)[::7]]),
+        "skewed": (torch.distributions.Pareto(1.0, 0.8).sample((n,)).long() * 7919),
+        "narrow": random_keys(n, 12, low=-300, high=300),
+        "extremes": torch.cat([t([INT64_MIN, INT64_MAX] * 1000), random_keys(n, 13, low=0, high=1 << 20)]),
+    }[case]
+    unique, _, inverse, counts, order = dedup_native(keys, grouping=True, workspace=Workspace("cpu"))
+    assert_same((unique, inverse, counts), torch.unique(keys, sorted=True, return_inverse=True, return_counts=True))
+    assert torch.equal(order, torch.sort(inverse, stable=True).indices)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_row_id_gather_and_scatter_match_torch(dtype):
+    from dynemb.kernels.rows import put_rows_native, put_rows_torch, rows_at_native, rows_at_torch
+
+    gen = torch.Generator().manual_seed(5)
+    table = torch.randint(0, 1 << 30, (4096, 16), generator=gen).to(dtype)
+    for n in (0, 7, 50_000):
+        pos = torch.randint(-1, table.numel(), (n,), generator=gen)
+        assert_same((rows_at_native(table, pos),), (rows_at_torch(table, pos),))
+        slots = torch.randperm(table.numel(), generator=gen)[: min(n, table.numel())]
+        ids = torch.randint(0, 1 << 30, (slots.numel(),), generator=gen)
+        a, b = table.clone(), table.clone()
+        put_rows_native(a, slots, ids)
+        put_rows_torch(b, slots, ids)
+        assert torch.equal(a, b)

@@ -67,7 +67,9 @@ def dedup_native(
             calls (a fresh one each call page-faults), or None.
     """
     keys = keys.contiguous()
-    seg = None if seg is None else seg.contiguous()
+    if seg is None:
+        return sort_unique_native(keys, grouping=grouping, workspace=workspace)
+    seg = seg.contiguous()
     n = keys.numel()
     unique = torch.empty(n, dtype=torch.int64)
     useg = None if seg is None else torch.empty(n, dtype=torch.int64)
@@ -80,6 +82,23 @@ def dedup_native(
     scratch = torch.empty(3 * cap, dtype=torch.int64) if workspace is None else workspace.get("dedup", 3 * cap, (), torch.int64)
     u = library().dyn_dedup(ptr(keys), n, ptr(seg), ptr(unique), ptr(useg), ptr(inverse), ptr(counts), ptr(order), ptr(scratch), cap, threads())
     return unique[:u], None if useg is None else useg[:u], inverse, counts[:u], order
+
+
+def sort_unique_native(
+    keys: torch.Tensor, *, grouping: bool = False, workspace=None
+) -> tuple[torch.Tensor, None, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`dedup_native` of keys without segments by ``dyn_sort_unique`` (a parallel sort:
+    one most-significant-digit pass, then small sorts), bitwise ``torch.unique(sorted=True,
+    return_inverse=True, return_counts=True)``; ``workspace`` keeps its [2N] scratch."""
+    keys = keys.contiguous()
+    n = keys.numel()
+    unique = torch.empty(n, dtype=torch.int64)
+    inverse = torch.empty(n, dtype=torch.int64)
+    counts = torch.empty(n, dtype=torch.int64)
+    order = torch.empty(n, dtype=torch.int64) if grouping else None
+    scratch = torch.empty(2 * n, dtype=torch.int64) if workspace is None else workspace.get("sort_unique", 2 * n, (), torch.int64)
+    u = library().dyn_sort_unique(ptr(keys), n, ptr(unique), ptr(inverse), ptr(counts), ptr(order), ptr(scratch), threads())
+    return unique[:u], None, inverse, counts[:u], order
 
 
 def dedup(

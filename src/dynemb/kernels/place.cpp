@@ -1,8 +1,9 @@
 // Native twin of place.py's place_free_torch: new keys into free slots of their candidate
 // buckets, round by round under the same rule (docs/design/0006), so both give the same slots.
 // P keys to place (in priority order), B buckets, W slots per bucket.
+#include <omp.h>
+
 #include <algorithm>
-#include <vector>
 
 #include "common.h"
 
@@ -11,24 +12,28 @@ using namespace dynemb;
 // At most 8 halving rounds, then one filling the preferred candidate, one the other.
 static constexpr int MAX_ROUNDS = 10;
 
-// Sort non-negative slots ascending (LSD radix, 11 bits a pass, only the passes their largest
-// value needs).
-static void radix_sort_slots(std::vector<int64_t>& v, std::vector<int64_t>& buffer) {
-  const size_t n = v.size();
+// Sort n non-negative slots ascending (LSD radix, 11 bits a pass, only the passes their range
+// needs), ``buffer`` as large.
+static void radix_sort_slots(int64_t* v, int64_t* buffer, int64_t n) {
   if (n < 2) return;
-  int64_t top = 0;
-  for (int64_t x : v) top = x > top ? x : top;
-  buffer.resize(n);
+  int64_t lo = v[0], hi = v[0];
+  for (int64_t i = 1; i < n; ++i) {
+    lo = v[i] < lo ? v[i] : lo;
+    hi = v[i] > hi ? v[i] : hi;
+  }
   constexpr int BITS = 11;
   constexpr int64_t DIGITS = int64_t(1) << BITS;
-  size_t count[DIGITS + 1];
-  for (int shift = 0; shift < 63 && (top >> shift) > 0; shift += BITS) {
+  int64_t count[DIGITS + 1];
+  int64_t* src = v;
+  int64_t* dst = buffer;
+  for (int shift = 0; shift < 63 && ((hi - lo) >> shift) > 0; shift += BITS) {
     std::fill(count, count + DIGITS + 1, 0);
-    for (int64_t x : v) ++count[((x >> shift) & (DIGITS - 1)) + 1];
+    for (int64_t i = 0; i < n; ++i) ++count[(((src[i] - lo) >> shift) & (DIGITS - 1)) + 1];
     for (int64_t d = 0; d < DIGITS; ++d) count[d + 1] += count[d];
-    for (int64_t x : v) buffer[count[(x >> shift) & (DIGITS - 1)]++] = x;
-    v.swap(buffer);
+    for (int64_t i = 0; i < n; ++i) dst[count[((src[i] - lo) >> shift) & (DIGITS - 1)]++] = src[i];
+    std::swap(src, dst);
   }
+  if (src != v) std::copy(src, src + n, v);
 }
 
 static inline int64_t free_in(const bool* used, int64_t bucket, int64_t W) {
@@ -37,8 +42,28 @@ static inline int64_t free_in(const bool* used, int64_t bucket, int64_t W) {
   return f;
 }
 
+// The lines a key's placement writes: its bucket's flags, keys and score.
+__attribute__((always_inline)) inline void prefetch_target(const int64_t* table_keys, const bool* used, const char* scores, int64_t score_bytes,
+                                                           int64_t base, int64_t W) {
+  __builtin_prefetch(used + base, 1);
+  __builtin_prefetch(table_keys + base, 1);
+  __builtin_prefetch(table_keys + base + W - 1, 1);
+  __builtin_prefetch(scores + base * score_bytes, 1);
+}
+
+// Most threads a round's placement pass uses (each scans every key of the round).
+static constexpr int MAX_PLACE_THREADS = 8;
+// Keys of a thread's own buckets whose lines are in flight ahead of the one being placed.
+static constexpr int AHEAD = 8;
+
 // Returns the number of keys placed; ``order`` gets their slots in row-allocation order (each
 // round's slots ascending, rounds in turn), ``pos`` each key's slot (-1: not placed).
+//
+// Each round: (A) in parallel over the keys, the free slots of both candidates as the round
+// starts and the bucket each key tries; (B) in parallel over bucket ranges, thread r places, in
+// priority order, the keys whose bucket lies in its range r: keys of one bucket keep their
+// order, and no two threads touch one bucket, so the slots are those of a serial pass; each
+// thread sorts its slots, and the ranges ascend, so the round's slots come out ascending.
 extern "C" int64_t dyn_place_free(
     int64_t* table_keys,         // [B, W]
     bool* used,                  // [B, W]
@@ -52,89 +77,122 @@ extern "C" int64_t dyn_place_free(
     int64_t* pos,                // [P] out
     int64_t* order,              // [P] out: the first (return value) entries are slots
     int64_t* rounds,             // [MAX_ROUNDS] out: slots taken in each round (0 after the last)
-    int64_t* scratch,            // unused (kept for the launcher's signature)
-    int64_t cap,
+    int64_t* scratch,            // [7P] the caller's reused buffer
+    int64_t cap,                 // its size, at least 7P
     int64_t nthreads) {
-  (void)scratch;
-  (void)cap;
+  for (int r = 0; r < MAX_ROUNDS; ++r) rounds[r] = 0;
+  if (n == 0) return 0;
+  if (cap < 7 * n) return -1;
   Candidates cand{seg, seg_counts, seg_offsets, total_buckets};
-  std::vector<int64_t> b1(n), b2(n), chosen(n), nfree(n), todo(n);
+  int64_t *b1 = scratch, *b2 = b1 + n, *chosen = b2 + n, *nfree = chosen + n, *todo = nfree + n, *slots = todo + n, *sort_buffer = slots + n;
+  int nt = threads(nthreads, n, 4096);
+  if (nt > MAX_PLACE_THREADS) nt = MAX_PLACE_THREADS;
+#pragma omp parallel for schedule(static) num_threads(nt)
   for (int64_t i = 0; i < n; ++i) {
     cand.of(keys[i], i, &b1[i], &b2[i]);
     pos[i] = -1;
     todo[i] = i;
   }
+  char* score_bytes_at = static_cast<char*>(table_scores);
   int64_t n_todo = n, n_placed = 0;
-  std::vector<int64_t> round_slots, sort_buffer;
   int round_no = 0;
-  for (int r = 0; r < MAX_ROUNDS; ++r) rounds[r] = 0;
+  // own[a * nt + r]: keys of thread a's share of the round (pass A) whose bucket is in range r.
+  int64_t own[MAX_PLACE_THREADS * MAX_PLACE_THREADS], placed_in[MAX_PLACE_THREADS + 1];
 
   auto one_round = [&](bool halve, bool other) -> int64_t {
-    // Free slots of both candidates as the round starts, and the bucket each key tries.
-#pragma omp parallel for schedule(static) num_threads(threads(nthreads, n_todo, 4096))
-    for (int64_t t = 0; t < n_todo; ++t) {
-      if (t + 8 < n_todo) {
-        __builtin_prefetch(used + b1[todo[t + 8]] * W);
-        __builtin_prefetch(used + b2[todo[t + 8]] * W);
+    std::fill(own, own + MAX_PLACE_THREADS * MAX_PLACE_THREADS, 0);
+    int rt = 1;  // the threads the round got: bucket ranges and shares of the keys
+#pragma omp parallel num_threads(n_todo >= 4096 ? nt : 1)
+    {
+      const int a = omp_get_thread_num();
+#pragma omp single
+      rt = omp_get_num_threads();
+      // Range of a bucket: rt equal spans of the bucket ids.
+      auto range_of = [&](int64_t bucket) -> int { return static_cast<int>(bucket * rt / total_buckets); };
+      const int64_t chunk = (n_todo + rt - 1) / rt, lo = a * chunk, hi = lo + chunk < n_todo ? lo + chunk : n_todo;
+      int64_t* mine = own + a * MAX_PLACE_THREADS;
+      // (A) Free slots of both candidates as the round starts, and the bucket each key tries.
+      for (int64_t t = lo; t < hi; ++t) {
+        if (t + 8 < hi) {
+          __builtin_prefetch(used + b1[todo[t + 8]] * W);
+          __builtin_prefetch(used + b2[todo[t + 8]] * W);
+        }
+        const int64_t i = todo[t];
+        const int64_t f1 = free_in(used, b1[i], W), f2 = free_in(used, b2[i], W);
+        if (f1 == 0 && f2 == 0) {
+          chosen[i] = -1;
+          continue;
+        }
+        const bool tie_second = ((b1[i] ^ b2[i]) & 1) != 0;
+        const bool second = f2 > f1 || (f2 == f1 && tie_second);
+        const bool take_second = second != other;
+        chosen[i] = take_second ? b2[i] : b1[i];
+        nfree[i] = take_second ? f2 : f1;
+        ++mine[range_of(chosen[i])];
       }
-      const int64_t i = todo[t];
-      const int64_t f1 = free_in(used, b1[i], W), f2 = free_in(used, b2[i], W);
-      if (f1 == 0 && f2 == 0) {
-        chosen[i] = -1;
-        continue;
-      }
-      const bool tie_second = ((b1[i] ^ b2[i]) & 1) != 0;
-      const bool second = f2 > f1 || (f2 == f1 && tie_second);
-      const bool take_second = second != other;
-      chosen[i] = take_second ? b2[i] : b1[i];
-      nfree[i] = take_second ? f2 : f1;
-    }
-    // In priority order, the r-th key of a bucket takes its r-th free slot (the first free one
-    // now, the r - 1 before it having taken theirs) while r is under the round's limit.
-    round_slots.clear();
-    int64_t kept = 0;
-    for (int64_t t = 0; t < n_todo; ++t) {
-      if (t + 8 < n_todo && chosen[todo[t + 8]] >= 0) {
-        const int64_t ahead = chosen[todo[t + 8]] * W;
-        __builtin_prefetch(used + ahead, 1);
-        __builtin_prefetch(table_keys + ahead, 1);
-        __builtin_prefetch(table_keys + ahead + W - 1, 1);
-        __builtin_prefetch(static_cast<char*>(table_scores) + ahead * score_bytes, 1);
-      }
-      const int64_t i = todo[t];
-      const int64_t b = chosen[i];
-      // The key's rank among this round's keys of its bucket is how many of the bucket's free
-      // slots the round has taken so far: every earlier key of the bucket took one, until one
-      // did not fit (from then on the rank is at the limit, and no later key fits either).
-      int64_t slot = -1, free_now = 0;
-      if (b >= 0) {
+#pragma omp barrier
+      // (B) Thread r places the keys of its bucket range, in priority order: the r-th key of a
+      // bucket takes its r-th free slot (the first free one now, the r - 1 before it having
+      // taken theirs) while r is under the round's limit.
+      const int r = a;
+      int64_t base = 0;
+      for (int q = 0; q < r; ++q)
+        for (int u = 0; u < rt; ++u) base += own[u * MAX_PLACE_THREADS + q];
+      int64_t* my_slots = slots + base;
+      int64_t placed = 0;
+      int64_t ring[AHEAD];
+      int64_t head = 0, tail = 0, scan = 0;
+      for (;;) {
+        // Keep AHEAD keys of this range found (and their lines requested) ahead of the one placed.
+        while (tail - head < AHEAD && scan < n_todo) {
+          const int64_t i = todo[scan++];
+          if (chosen[i] < 0 || range_of(chosen[i]) != r) continue;
+          prefetch_target(table_keys, used, score_bytes_at, score_bytes, chosen[i] * W, W);
+          ring[tail++ % AHEAD] = i;
+        }
+        if (head == tail) break;
+        const int64_t i = ring[head++ % AHEAD];
+        const int64_t b = chosen[i];
+        // The key's rank among this round's keys of its bucket is how many of the bucket's free
+        // slots the round has taken so far: every earlier key of the bucket took one, until one
+        // did not fit (from then on the rank is at the limit, and no later key fits either).
+        int64_t slot = -1, free_now = 0;
         for (int64_t j = W - 1; j >= 0; --j) {
           if (!used[b * W + j]) {
             slot = b * W + j;
             ++free_now;
           }
         }
+        const int64_t limit = halve ? (nfree[i] + 1) / 2 : nfree[i];
+        if (nfree[i] - free_now >= limit) continue;
+        table_keys[slot] = keys[i];
+        used[slot] = true;
+        if (score_bytes == 4)
+          static_cast<int32_t*>(table_scores)[slot] = static_cast<int32_t>(scores[i]);
+        else
+          static_cast<int64_t*>(table_scores)[slot] = scores[i];
+        pos[i] = slot;
+        my_slots[placed++] = slot;
       }
-      const int64_t limit = b < 0 ? 0 : (halve ? (nfree[i] + 1) / 2 : nfree[i]);
-      if (b < 0 || nfree[i] - free_now >= limit) {
-        todo[kept++] = i;
-        continue;
+      radix_sort_slots(my_slots, sort_buffer + base, placed);
+      placed_in[r + 1] = placed;
+#pragma omp barrier
+#pragma omp single
+      {
+        placed_in[0] = 0;
+        for (int q = 0; q < rt; ++q) placed_in[q + 1] += placed_in[q];
       }
-      table_keys[slot] = keys[i];
-      used[slot] = true;
-      if (score_bytes == 4)
-        static_cast<int32_t*>(table_scores)[slot] = static_cast<int32_t>(scores[i]);
-      else
-        static_cast<int64_t*>(table_scores)[slot] = scores[i];
-      pos[i] = slot;
-      round_slots.push_back(slot);
+      std::copy(my_slots, my_slots + placed, order + n_placed + placed_in[r]);
     }
-    radix_sort_slots(round_slots, sort_buffer);
-    std::copy(round_slots.begin(), round_slots.end(), order + n_placed);
-    n_placed += static_cast<int64_t>(round_slots.size());
-    rounds[round_no++] = static_cast<int64_t>(round_slots.size());
+    const int64_t taken = placed_in[rt];
+    // The keys not placed stay, in priority order.
+    int64_t kept = 0;
+    for (int64_t t = 0; t < n_todo; ++t)
+      if (pos[todo[t]] < 0) todo[kept++] = todo[t];
+    n_placed += taken;
+    rounds[round_no++] = taken;
     n_todo = kept;
-    return static_cast<int64_t>(round_slots.size());
+    return taken;
   };
 
   for (int k = 0; k < 8 && n_todo; ++k)

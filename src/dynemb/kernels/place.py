@@ -36,7 +36,7 @@ def place_free_native(
         segments: the index's :class:`dynemb.table.geometry.Segments`.
         keys, scores (Tensor[int64]): [P]; scores already fit ``table_scores``' dtype.
         seg (Tensor[int64] | None): [P] segment of each key.
-        workspace: a :class:`dynemb.workspace.Workspace` for the kernel's [4P] scratch.
+        workspace: a :class:`dynemb.workspace.Workspace` for the kernel's [7P] scratch.
     Returns:
         pos (Tensor[int64]): [P] slot taken, -1 where not placed.
         order (Tensor[int64]): [M] the M slots taken, in the order row ids are handed out
@@ -50,9 +50,7 @@ def place_free_native(
     pos = torch.empty(n, dtype=torch.int64)
     order = torch.empty(n, dtype=torch.int64)
     rounds = torch.zeros(MAX_ROUNDS, dtype=torch.int64)
-    cap = 16
-    while cap < 2 * n:
-        cap *= 2
+    cap = 7 * n
     m = library().dyn_place_free(
         ptr(table_keys),
         ptr(used),
@@ -69,7 +67,7 @@ def place_free_native(
         ptr(pos),
         ptr(order),
         ptr(rounds),
-        ptr(workspace.get("place", 2 * cap, (), torch.int64)),
+        ptr(workspace.get("place", cap, (), torch.int64)),
         cap,
         threads(),
     )

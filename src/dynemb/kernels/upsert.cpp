@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common.h"
+#include "probe.h"
 
 using namespace dynemb;
 
@@ -33,12 +34,47 @@ extern "C" int64_t dyn_upsert_found(
     int64_t* pos, bool* found,     // [U] out
     int64_t* missing,              // [U] out: the first M entries
     int64_t nthreads) {
-  dyn_locate(table_keys, used, W, total_buckets, keys, seg, seg_counts, seg_offsets, n, pos, found, nullptr, 0, nullptr, nthreads);
   auto stored = [&](int64_t p) -> int64_t {
     return score_bytes == 4 ? static_cast<const int32_t*>(table_scores)[p] : static_cast<const int64_t*>(table_scores)[p];
   };
+  if (!lfu_add) {
+    // Every score written is one of the batch's: check they fit before the probe, then write
+    // the found keys' scores in the probe's parallel blocks (distinct keys, distinct slots).
+    if (score_bytes == 4)
+      for (int64_t i = 0; i < n; ++i)
+        if (batch_scores[i] < I32_MIN || batch_scores[i] > I32_MAX) return -1;
+    Candidates cand{seg, seg_counts, seg_offsets, total_buckets};
+    const int64_t blocks = (n + PROBE_BLOCK - 1) / PROBE_BLOCK;
+    char* scores = static_cast<char*>(table_scores);
+#pragma omp parallel for schedule(static) num_threads(threads(nthreads, n, 4096))
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t lo = blk * PROBE_BLOCK, len = lo + PROBE_BLOCK < n ? PROBE_BLOCK : n - lo;
+      int64_t* at = pos + lo;
+      probe_block(table_keys, used, W, cand, keys + lo, lo, len, at);
+      // The found keys' score lines, 2 * PROBE_AHEAD keys ahead (prefetching both buckets'
+      // score lines with the probe fetched two lines a key, one never written).
+      constexpr int64_t AHEAD = 2 * PROBE_AHEAD;
+      for (int64_t i = 0; i < AHEAD && i < len; ++i)
+        if (at[i] >= 0) __builtin_prefetch(scores + at[i] * score_bytes, 1);
+      for (int64_t i = 0; i < len; ++i) {
+        if (i + AHEAD < len && at[i + AHEAD] >= 0) __builtin_prefetch(scores + at[i + AHEAD] * score_bytes, 1);
+        found[lo + i] = at[i] >= 0;
+        if (at[i] < 0) continue;
+        if (score_bytes == 4)
+          static_cast<int32_t*>(table_scores)[at[i]] = static_cast<int32_t>(batch_scores[lo + i]);
+        else
+          static_cast<int64_t*>(table_scores)[at[i]] = batch_scores[lo + i];
+      }
+    }
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; ++i)
+      if (!found[i]) missing[m++] = i;
+    if (!uniform)
+      std::stable_sort(missing, missing + m, [&](int64_t a, int64_t b) { return batch_scores[a] > batch_scores[b]; });
+    return m;
+  }
+  dyn_locate(table_keys, used, W, total_buckets, keys, seg, seg_counts, seg_offsets, n, pos, found, nullptr, 0, nullptr, nthreads);
   auto new_score = [&](int64_t i) -> int64_t {
-    if (!lfu_add) return batch_scores[i];
     const int64_t old = stored(pos[i]), add = counts[i];
     return old > I64_MAX - add ? I64_MAX : old + add;
   };
@@ -48,7 +84,7 @@ extern "C" int64_t dyn_upsert_found(
     for (int64_t i = 0; i < n && fits; ++i) {
       const int64_t s = batch_scores[i];
       fits = s >= I32_MIN && s <= I32_MAX;
-      if (fits && found[i] && lfu_add) {
+      if (fits && found[i]) {
         const int64_t t = new_score(i);
         fits = t >= I32_MIN && t <= I32_MAX;
       }

@@ -25,8 +25,9 @@ import torch
 
 from dynemb.config import resolve_device
 from dynemb.kernels import check_backend, uses_native, uses_triton
-from dynemb.kernels.dedup import dedup_torch
+from dynemb.kernels.dedup import dedup_torch, sort_unique_native
 from dynemb.kernels.locate import candidates_native, locate_native, locate_torch
+from dynemb.kernels.rows import rows_at_native
 from dynemb.table.base import IndexResult
 from dynemb.table.free_list import FreeList
 from dynemb.table.geometry import SCORE_MAX, SCORE_MIN, Segments, bucket_width, bytes_per_slot, index_bytes, plan_buckets, rounded_capacity, row_dtype
@@ -205,6 +206,8 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
 
     def _rows_at(self, pos: torch.Tensor) -> torch.Tensor:
         """Row ids at flat slots ``pos`` ([n], each >= 0) as int64."""
+        if self.native:
+            return rows_at_native(self._rows, pos)
         return self._rows.view(-1).index_select(0, pos).to(torch.int64)
 
     def _scores_at(self, pos: torch.Tensor) -> torch.Tensor:
@@ -291,9 +294,12 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
     def _dedup(self, keys: torch.Tensor, seg: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """(unique [U], their segments [U] or None, inverse [N], counts [U]) of keys [N].
 
-        Plain torch on both backends: torch.unique's parallel sort beat the one-thread hashing
-        kernel on W2's random keys (2.2 vs 7.0 ms for 65,536 keys, perf-log 2026-11-25); the
-        module still takes the kernel where its grouping saves the backward's scatter-add."""
+        Native without segments: ``dyn_sort_unique``, a parallel sort (1.0 vs 2.2 ms for
+        torch.unique on W2's 65,536 random keys, perf-log 2026-11-26; the hashing kernel took
+        7.0); else plain torch (torch.unique's parallel sort, bitwise the same)."""
+        if self.native and seg is None:
+            unique, _, inverse, counts, _ = sort_unique_native(keys, workspace=self._workspace)
+            return unique, None, inverse, counts
         return dedup_torch(keys, seg)
 
     def candidate_buckets(self, keys: torch.Tensor, segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

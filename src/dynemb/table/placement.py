@@ -22,6 +22,7 @@ from dynemb.kernels.evict import evict_for_native
 from dynemb.kernels.move import MAX_DEPTH as MOVE_KERNEL_DEPTH
 from dynemb.kernels.move import move_out_native
 from dynemb.kernels.place import place_free_native
+from dynemb.kernels.rows import put_rows_native, rows_at_native, rows_at_torch
 from dynemb.kernels.upsert import found_and_missing_native
 from dynemb.table.base import IndexResult
 from dynemb.table.keys import INT64_MAX as _MAX_SCORE
@@ -139,7 +140,7 @@ class BatchPlacement:
             pos.scatter_(0, missing[pending], victim_pos)
         *evicted, taken = evicted
         ok = pos >= 0
-        rows = torch.where(ok, self._rows_at(pos.clamp(min=0)), -1)
+        rows = rows_at_native(self._rows, pos) if self.native else rows_at_torch(self._rows, pos)
         failed_keys = unique[~ok]
         failed_seg = evicted_seg = None
         if seg is not None:
@@ -241,13 +242,11 @@ class BatchPlacement:
     def _place_free_native(self, keys: torch.Tensor, scores: torch.Tensor, seg: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_place_free` by the compiled kernel (same slots, same row ids)."""
         pos, order, rounds = place_free_native(self._keys, self._used, self._scores, self._segments, keys, scores, seg, self._workspace)
-        start = 0
-        for n in rounds:
-            # One free-list call per round, as _fill makes: the row ids each slot gets match.
-            slots = order[start : start + n]
-            self._rows.view(-1).scatter_(0, slots, self.free_list.allocate(n).to(self._rows.dtype))
-            start += n
-        self._size += start
+        # One free-list call per round, as _fill makes: the row ids each slot gets match.
+        ids = [self.free_list.allocate(n) for n in rounds]
+        if ids:
+            put_rows_native(self._rows, order, ids[0] if len(ids) == 1 else torch.cat(ids))
+        self._size += order.numel()
         self._count("inserts", order)
         return pos >= 0, pos
 

@@ -1,0 +1,62 @@
+// Native twins of rows.py's rows_at_torch / put_rows_torch: the index's row ids at flat slots,
+// read (-1 for no slot) or written, with the slots' lines prefetched ahead and both cores used.
+// n slots, row ids int32 or int64 (row_bytes 4 or 8).
+#include <omp.h>
+
+#include "common.h"
+
+using namespace dynemb;
+
+static constexpr int64_t AHEAD = 16;
+
+static inline int64_t load_row(const void* rows, int64_t row_bytes, int64_t p) {
+  return row_bytes == 4 ? static_cast<const int32_t*>(rows)[p] : static_cast<const int64_t*>(rows)[p];
+}
+
+extern "C" int64_t dyn_rows_at(
+    const void* table_rows,  // [B * W]
+    int64_t row_bytes,
+    const int64_t* pos,      // [n] flat slots, < 0 for none
+    int64_t n,
+    int64_t* out,            // [n] out: the row id at each slot, -1 where pos < 0
+    int64_t nthreads) {
+  const char* base = static_cast<const char*>(table_rows);
+  const int nt = threads(nthreads, n, 8192);
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num(), got = omp_get_num_threads();
+    const int64_t chunk = (n + got - 1) / got, lo = t * chunk, hi = lo + chunk < n ? lo + chunk : n;
+    for (int64_t i = lo; i < lo + AHEAD && i < hi; ++i)
+      if (pos[i] >= 0) __builtin_prefetch(base + pos[i] * row_bytes);
+    for (int64_t i = lo; i < hi; ++i) {
+      if (i + AHEAD < hi && pos[i + AHEAD] >= 0) __builtin_prefetch(base + pos[i + AHEAD] * row_bytes);
+      out[i] = pos[i] >= 0 ? load_row(table_rows, row_bytes, pos[i]) : -1;
+    }
+  }
+  return 0;
+}
+
+extern "C" int64_t dyn_rows_put(
+    void* table_rows,        // [B * W] written at pos
+    int64_t row_bytes,
+    const int64_t* pos,      // [n] distinct flat slots
+    const int64_t* ids,      // [n] row ids
+    int64_t n,
+    int64_t nthreads) {
+  char* base = static_cast<char*>(table_rows);
+  const int nt = threads(nthreads, n, 8192);
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num(), got = omp_get_num_threads();
+    const int64_t chunk = (n + got - 1) / got, lo = t * chunk, hi = lo + chunk < n ? lo + chunk : n;
+    for (int64_t i = lo; i < lo + AHEAD && i < hi; ++i) __builtin_prefetch(base + pos[i] * row_bytes, 1);
+    for (int64_t i = lo; i < hi; ++i) {
+      if (i + AHEAD < hi) __builtin_prefetch(base + pos[i + AHEAD] * row_bytes, 1);
+      if (row_bytes == 4)
+        static_cast<int32_t*>(table_rows)[pos[i]] = static_cast<int32_t>(ids[i]);
+      else
+        static_cast<int64_t*>(table_rows)[pos[i]] = ids[i];
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,43 @@
+"""The index's row ids at flat slots: read (-1 where there is no slot) or written.
+
+n slots. ``rows_at_torch`` / ``put_rows_torch`` are the plain-torch twins (an ``index_select``
+or ``scatter_`` of the flat [B * W] row ids); ``rows_at_native`` / ``put_rows_native`` run
+``rows.cpp``: the same values, with the slots' lines prefetched ahead on every thread (a
+65,536-key batch reads or writes that many random lines of a 16 MiB table).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dynemb.kernels import library, ptr, threads
+
+
+def rows_at_torch(table_rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Row id at each flat slot ([n] int64), -1 where ``pos`` < 0.
+
+    Args:
+        table_rows (Tensor[int32|int64]): [B, W] the index's row ids.
+        pos (Tensor[int64]): [n] flat slots, -1 for none.
+    """
+    return torch.where(pos >= 0, table_rows.view(-1).index_select(0, pos.clamp(min=0)).to(torch.int64), -1)
+
+
+def rows_at_native(table_rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """:func:`rows_at_torch` by ``dyn_rows_at`` (bitwise the same)."""
+    pos = pos.contiguous()
+    out = torch.empty(pos.numel(), dtype=torch.int64)
+    library().dyn_rows_at(ptr(table_rows), table_rows.element_size(), ptr(pos), pos.numel(), ptr(out), threads())
+    return out
+
+
+def put_rows_torch(table_rows: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor) -> None:
+    """Write row ids ``ids`` ([n] int64) at distinct flat slots ``pos`` ([n] int64) of
+    ``table_rows`` ([B, W] int32 or int64), in place."""
+    table_rows.view(-1).scatter_(0, pos, ids.to(table_rows.dtype))
+
+
+def put_rows_native(table_rows: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor) -> None:
+    """:func:`put_rows_torch` by ``dyn_rows_put``."""
+    pos, ids = pos.contiguous(), ids.contiguous()
+    library().dyn_rows_put(ptr(table_rows), table_rows.element_size(), ptr(pos), ptr(ids), pos.numel(), threads())
