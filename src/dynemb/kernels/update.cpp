@@ -4,6 +4,7 @@
 // S state columns, width = D + S. The arithmetic follows dynemb/optim/optimizers.py op by op
 // in float32 (the row-wise mean is a plain sum, so it may differ from torch's in the last bits).
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "common.h"
@@ -13,6 +14,18 @@ using namespace dynemb;
 static constexpr int64_t AHEAD = 4;
 
 enum Kind : int64_t { SGD = 0, ADAGRAD = 1, ROWWISE_ADAGRAD = 2, ADAM = 3 };
+
+// Whether n floats are all finite: an OR over their exponent bits (all ones only for inf and
+// NaN), which vectorises where a std::isfinite loop does not.
+static inline bool all_finite(const float* x, int64_t n) {
+  uint32_t bad = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    uint32_t bits;
+    std::memcpy(&bits, x + j, sizeof bits);
+    bad |= static_cast<uint32_t>((bits & 0x7F800000u) == 0x7F800000u);
+  }
+  return bad == 0;
+}
 
 extern "C" int64_t dyn_rows_update(
     float* table,        // [R, width] the store's rows
@@ -41,9 +54,7 @@ extern "C" int64_t dyn_rows_update(
       float* row = table + rows[u] * width;
       const float* gu = grad + u * grad_stride;
       for (int64_t j = 0; j < D; ++j) g[j] = wd != 0.0f ? gu[j] + wd * row[j] : gu[j];
-      bool finite = true;
-      if (bad)
-        for (int64_t j = 0; j < D; ++j) finite &= std::isfinite(gu[j]);
+      bool finite = bad == nullptr || all_finite(gu, D);
       switch (kind) {
         case SGD:
           for (int64_t j = 0; j < D; ++j) out[j] = row[j] + (-lr) * g[j];
@@ -78,7 +89,7 @@ extern "C" int64_t dyn_rows_update(
         }
       }
       if (bad) {
-        for (int64_t j = 0; j < width; ++j) finite &= std::isfinite(out[j]);
+        finite = finite && all_finite(out.data(), width);
         bad[u] = !finite;
         if (!finite) {
           ++n_bad;
