@@ -17,6 +17,8 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from test_update_parity import optimizers  # noqa: E402
+
 import dynemb  # noqa: E402
 from dynemb.kernels.gpu import failure  # noqa: E402
 from dynemb.kernels.init import init_rows_torch  # noqa: E402
@@ -91,16 +93,6 @@ def test_locate_segments():
 def test_empty_batches():
     index = filled_index(torch.arange(10), capacity=64)
     check_locate(index, torch.empty(0, dtype=torch.int64))
-
-
-def optimizers():
-    return {
-        "sgd": dynemb.optim.SGD(lr=0.3),
-        "sgd_wd": dynemb.optim.SGD(lr=0.3, weight_decay=0.1),
-        "adagrad": dynemb.optim.Adagrad(lr=0.2, lr_decay=0.05, eps=1e-6, weight_decay=0.01),
-        "rowwise_adagrad": dynemb.optim.RowWiseAdagrad(lr=0.2, eps=1e-6),
-        "adam": dynemb.optim.Adam(lr=0.01, betas=(0.8, 0.95), weight_decay=0.02),
-    }
 
 
 @pytest.mark.parametrize("name", list(optimizers()))

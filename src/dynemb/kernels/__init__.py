@@ -35,7 +35,8 @@ UPDATE_KINDS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2, "adam": 3}
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _failure: str | None = None
-_warned = False
+# The kinds of kernel (CPU, Triton) whose fallback has been warned about, each once.
+_warned: set[str] = set()
 
 
 def check_backend(value, name: str = "backend") -> Backend:
@@ -74,11 +75,10 @@ def _resolve(backend: Backend | str) -> tuple[bool, bool]:
 
 def _unavailable(required: bool, what: str, failure: str | None, fallback: str) -> None:
     """Raise (``required``) or warn once that the kernels ``what`` cannot run."""
-    global _warned
     if required:
         raise ValueError(f"backend='native': {what} cannot run here ({failure}); use backend='torch' or 'auto'")
-    if not _warned:
-        _warned = True
+    if what not in _warned:
+        _warned.add(what)
         warnings.warn(f"dynemb: {what} unavailable ({failure}); running {fallback}", RuntimeWarning, stacklevel=4)
 
 

@@ -27,7 +27,7 @@ from dynemb.config import resolve_device
 from dynemb.kernels import check_backend, uses_native, uses_triton
 from dynemb.kernels.dedup import dedup_torch, sort_unique_native
 from dynemb.kernels.locate import candidates_native, locate_native, locate_torch
-from dynemb.kernels.rows import rows_at_native
+from dynemb.kernels.rows import rows_at_native, rows_at_torch
 from dynemb.table.base import IndexResult
 from dynemb.table.free_list import FreeList
 from dynemb.table.geometry import SCORE_MAX, SCORE_MIN, Segments, bucket_width, bytes_per_slot, index_bytes, plan_buckets, rounded_capacity, row_dtype
@@ -205,10 +205,8 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
             self._scores = self._scores.to(torch.int64)
 
     def _rows_at(self, pos: torch.Tensor) -> torch.Tensor:
-        """Row ids at flat slots ``pos`` ([n], each >= 0) as int64."""
-        if self.native:
-            return rows_at_native(self._rows, pos)
-        return self._rows.view(-1).index_select(0, pos).to(torch.int64)
+        """Row ids at flat slots ``pos`` ([n], -1 where there is no slot) as int64, -1 there."""
+        return rows_at_native(self._rows, pos) if self.native else rows_at_torch(self._rows, pos)
 
     def _scores_at(self, pos: torch.Tensor) -> torch.Tensor:
         """Scores at flat slots ``pos`` ([n], each >= 0) as int64."""
@@ -330,7 +328,7 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
             _, found, rows = locate_native(self._keys, self._used, self._segments, flat, seg, self._rows)
             return rows.view(keys.shape), found.view(keys.shape)
         pos, found = self._locate(flat, seg)
-        rows = torch.where(found, self._rows_at(pos.clamp(min=0)), -1)
+        rows = self._rows_at(pos)
         return rows.view(keys.shape), found.view(keys.shape)
 
     def scores(self, keys: torch.Tensor, *, segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,7 +22,7 @@ from dynemb.kernels.evict import evict_for_native
 from dynemb.kernels.move import MAX_DEPTH as MOVE_KERNEL_DEPTH
 from dynemb.kernels.move import move_out_native
 from dynemb.kernels.place import place_free_native
-from dynemb.kernels.rows import put_rows_native, rows_at_native, rows_at_torch
+from dynemb.kernels.rows import put_rows_native
 from dynemb.kernels.upsert import found_and_missing_native
 from dynemb.table.base import IndexResult
 from dynemb.table.keys import INT64_MAX as _MAX_SCORE
@@ -140,7 +140,7 @@ class BatchPlacement:
             pos.scatter_(0, missing[pending], victim_pos)
         *evicted, taken = evicted
         ok = pos >= 0
-        rows = rows_at_native(self._rows, pos) if self.native else rows_at_torch(self._rows, pos)
+        rows = self._rows_at(pos)
         failed_keys = unique[~ok]
         failed_seg = evicted_seg = None
         if seg is not None:
