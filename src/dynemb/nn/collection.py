@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.utils.hooks import RemovableHandle
 
 from dynemb.config import TableConfig
+from dynemb.kernels.dedup import sort_unique_native
 from dynemb.nn.autograd import FusedEmbeddings, Lookup
 from dynemb.nn.collective import collective
 from dynemb.nn.features import Batch, parse_features
@@ -114,36 +115,46 @@ class PooledEmbeddings(dict):
         self.feature_names = list(feature_names)
 
 
-def dedup(group: TableGroup, vals: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
+def dedup(
+    group: TableGroup, vals: list[torch.Tensor], device, *, native: bool = False, workspace=None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
     """Distinct (table, key) pairs of a group's feature values ``vals`` (its features'
     order): segments [U], keys [U], inverse [N_g], counts [U] (each table's keys ascending)
     and the grouping (order [N_g], starts [U]) of the ids by pair, or None.
 
-    One stable sort of the raw keys. When no key is read through two tables (the usual
-    case: tables hold different id spaces) its runs are the distinct pairs, sorted by key,
-    and the sort's permutation groups the ids by pair, so the backward sums their gradients
-    with one gather-sum instead of a serial scatter-add. Otherwise pairs are formed
+    One stable sort of the raw keys (``native``: the compiled parallel sort of
+    :func:`dynemb.kernels.dedup.sort_unique_native`, bitwise the same outputs, its scratch in
+    ``workspace``). When no key is read through two tables (the usual case: tables hold
+    different id spaces) its runs are the distinct pairs, sorted by key, and the sort's
+    permutation groups the ids by pair, so the backward sums their gradients with one
+    gather-sum instead of a serial scatter-add. Otherwise pairs are formed
     (:func:`unique_pairs`), sorted by segment, then key, and the grouping is None."""
     values = torch.cat(vals) if len(vals) > 1 else vals[0]
     n = values.numel()
-    sorted_values, order = torch.sort(values, stable=True)
-    new = torch.ones(n, dtype=torch.bool, device=device)
-    if n > 1:
-        torch.ne(sorted_values[1:], sorted_values[:-1], out=new[1:])
-    starts = new.nonzero().squeeze(1)
-    keys = sorted_values.index_select(0, starts)
-    counts = torch.diff(starts, append=starts.new_tensor([n]))
-    inverse = torch.empty_like(order).scatter_(0, order, new.cumsum(0).sub_(1))
+    if native:
+        keys, _, inverse, counts, order = sort_unique_native(values, grouping=True, workspace=workspace)
+        starts = counts.cumsum(0).sub_(counts)
+    else:
+        sorted_values, order = torch.sort(values, stable=True)
+        new = torch.ones(n, dtype=torch.bool, device=device)
+        if n > 1:
+            torch.ne(sorted_values[1:], sorted_values[:-1], out=new[1:])
+        starts = new.nonzero().squeeze(1)
+        keys = sorted_values.index_select(0, starts)
+        counts = torch.diff(starts, append=starts.new_tensor([n]))
+        inverse = torch.empty_like(order).scatter_(0, order, new.cumsum(0).sub_(1))
     if len(group.tables) == 1:
         return torch.zeros_like(keys), keys, inverse, counts, (order, starts)
     seg_of_value = torch.repeat_interleave(
         torch.tensor(group.feature_segments, device=device), torch.tensor([v.numel() for v in vals], device=device), output_size=n
     )
-    seg_sorted = seg_of_value.index_select(0, order)
-    if n > 1 and bool(((seg_sorted[1:] != seg_sorted[:-1]) & ~new[1:]).any()):
+    # The segment of each distinct key's first id; a key read through two tables has ids of
+    # another segment in its run.
+    seg_first = seg_of_value.index_select(0, order.index_select(0, starts))
+    if n > 1 and bool((seg_of_value != seg_first.index_select(0, inverse)).any()):
         (segments, keys), inverse, counts = unique_pairs(seg_of_value, values)
         return segments, keys, inverse, counts, None
-    return seg_sorted.index_select(0, starts), keys, inverse, counts, (order, starts)
+    return seg_first, keys, inverse, counts, (order, starts)
 
 
 class _DynamicCollection(DynamicTables):
@@ -225,7 +236,8 @@ class _DynamicCollection(DynamicTables):
         engine = self.engines[group.index]
         vals = [batch.values[j] for j in group.features]
         totals = [v.numel() for v in vals]
-        segs, keys, inverse, counts, grouping = dedup(group, vals, engine.device)
+        native = engine.device.type == "cpu" and engine.index.native
+        segs, keys, inverse, counts, grouping = dedup(group, vals, engine.device, native=native, workspace=self._workspace)
         lookup = self._lookup_unique(group.index, keys, segs, counts, failures, grouping)
         if self._trains():
             if pooled:
