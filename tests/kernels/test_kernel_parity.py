@@ -310,3 +310,30 @@ def test_row_id_gather_and_scatter_match_torch(dtype):
         put_rows_native(a, slots, ids)
         put_rows_torch(b, slots, ids)
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("case", range(len(key_batches())))
+@pytest.mark.parametrize("tables", [1, 3])
+def test_collection_dedup_on_the_compiled_sort_matches_torch_sort(case, tables):
+    """The collection's dedup of a group (one or three tables, features split unevenly, keys
+    shared between tables in the last batches) gives the same pairs, inverse, counts and
+    grouping on the compiled sort as on torch.sort."""
+    if not native_available():
+        pytest.skip("the compiled kernels do not build here")
+    from dynemb.nn.collection import dedup as collection_dedup
+    from dynemb.nn.tables import TableGroup
+
+    values = key_batches()[case]
+    group = TableGroup(0, list(range(tables)))
+    cuts = sorted({0, values.numel(), values.numel() // 3, values.numel() // 2})
+    vals = [values[a:b] for a, b in zip(cuts, cuts[1:])] or [values]
+    group.features = list(range(len(vals)))
+    group.feature_segments = [f % tables for f in range(len(vals))]
+    by_torch = collection_dedup(group, vals, torch.device("cpu"), native=False)
+    by_native = collection_dedup(group, vals, torch.device("cpu"), native=True, workspace=Workspace(torch.device("cpu")))
+    for a, b in zip(by_torch[:4], by_native[:4]):
+        assert_same(a, b)
+    assert (by_torch[4] is None) == (by_native[4] is None)
+    if by_torch[4] is not None:
+        for a, b in zip(by_torch[4], by_native[4]):
+            assert_same(a, b)
