@@ -13,6 +13,8 @@
 
 using namespace dynemb;
 
+// Keys whose buckets are prefetched ahead of the one picking its victim.
+static constexpr int64_t AHEAD = 8;
 
 // Returns E, the keys placed by eviction; ``pos`` gets each key's slot (-1: failed) and
 // ``taken`` the E slots taken (``old_keys`` / ``old_scores`` what they held), in the order the
@@ -28,7 +30,6 @@ extern "C" int64_t dyn_evict_for(
     int64_t* pos,                                               // [P] out
     int64_t* taken, int64_t* old_keys, int64_t* old_scores,     // [P] out: the first E entries
     int64_t nthreads) {
-  (void)nthreads;
   Candidates cand{seg, seg_counts, seg_offsets, total_buckets};
   auto score_at = [&](int64_t p) -> int64_t {
     return score_bytes == 4 ? static_cast<const int32_t*>(table_scores)[p] : static_cast<const int64_t*>(table_scores)[p];
@@ -64,14 +65,35 @@ extern "C" int64_t dyn_evict_for(
     victim_of[i] = best;
     eligible_of[i] = best >= 0 && (lfu || scores[i] >= best_score);
   };
+  // The lines a key's pick reads in one bucket: its used flags, lock bytes and scores.
+  const char* scores_at = static_cast<const char*>(table_scores);
+  auto prefetch_bucket = [&](int64_t b) {
+    const int64_t base = b * W;
+    __builtin_prefetch(used + base);
+    __builtin_prefetch(lock.data() + base);
+    for (int64_t off = 0; off < W * score_bytes; off += 64) __builtin_prefetch(scores_at + base * score_bytes + off);
+  };
+  std::vector<int64_t> look(n);
   bool first_round = true;
   while (n_active) {
-    bool any = false;
+    // The round's picks read the state as the round starts and write only their own key's
+    // entries: in parallel, the buckets of a key AHEAD picks later prefetched (the picks are
+    // random reads of used flags, locks and scores, latency-bound when serial).
+    int64_t n_look = 0;
     for (int64_t t = 0; t < n_active; ++t) {
       const int64_t i = active[t];
-      if (first_round || dirty[b1[i]] || dirty[b2[i]]) pick_victim(i);
-      any |= eligible_of[i] != 0;
+      if (first_round || dirty[b1[i]] || dirty[b2[i]]) look[n_look++] = i;
     }
+#pragma omp parallel for schedule(static) num_threads(threads(nthreads, n_look, 2048))
+    for (int64_t t = 0; t < n_look; ++t) {
+      if (t + AHEAD < n_look) {
+        prefetch_bucket(b1[look[t + AHEAD]]);
+        prefetch_bucket(b2[look[t + AHEAD]]);
+      }
+      pick_victim(look[t]);
+    }
+    bool any = false;
+    for (int64_t t = 0; t < n_active && !any; ++t) any = eligible_of[active[t]] != 0;
     first_round = false;
     for (int64_t b : written) dirty[b] = 0;
     written.clear();
@@ -80,6 +102,12 @@ extern "C" int64_t dyn_evict_for(
     // claimed one of its buckets; every eligible key claims both of its buckets.
     int64_t kept = 0;
     for (int64_t t = 0; t < n_active; ++t) {
+      // The victim slot of a key AHEAD later: its key and score are read and written if it wins.
+      if (t + AHEAD < n_active && eligible_of[active[t + AHEAD]]) {
+        const int64_t q = victim_of[active[t + AHEAD]];
+        __builtin_prefetch(table_keys + q, 1);
+        __builtin_prefetch(scores_at + q * score_bytes, 1);
+      }
       const int64_t i = active[t];
       if (!eligible_of[i]) continue;
       const bool free1 = !claimed[b1[i]], free2 = !claimed[b2[i]];
