@@ -337,3 +337,25 @@ def test_collection_dedup_on_the_compiled_sort_matches_torch_sort(case, tables):
     if by_torch[4] is not None:
         for a, b in zip(by_torch[4], by_native[4]):
             assert_same(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("features", [1, 5])
+def test_bag_copy_matches_torch(dtype, features):
+    """The single-hot bag copy writes, bitwise, what the per-feature index_select writes: rows
+    strided (a store's [U, D + S] view), repeated and extreme ids, every other column left."""
+    from dynemb.kernels.pool import copy_bags_native, copy_bags_torch
+
+    g = torch.Generator().manual_seed(3)
+    B, U, D, S = 1000, 37, 8, 3
+    data = torch.randn(U, D + S, generator=g).to(dtype)
+    rows = data[:, :D]
+    inverse = torch.randint(0, U, (features * B,), generator=g)
+    inverse[:3] = torch.tensor([0, U - 1, U - 1])
+    cols = [2 + 11 * j for j in range(features)]
+    total = cols[-1] + D + 4
+    outs = [torch.full((B, total), -7.0, dtype=dtype) for _ in range(2)]
+    copy_bags_torch(outs[0], cols, rows, inverse)
+    copy_bags_native(outs[1], cols, rows, inverse)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[1][:, cols[0] : cols[0] + D], rows.index_select(0, inverse[:B]))

@@ -385,7 +385,8 @@ class DynamicEmbeddingBagCollection(_DynamicCollection):
         with self._lock, writable():
             # The unit table is scratch kept between calls (under the lock: one user at a time).
             table = self._workspace.get("units", units, (layout.unit,), self.engines[0].dtype)
-            return pool(layout, batch.stacked, rows, inverses, weights, table, self._recycler)
+            native = all(e.device.type == "cpu" and e.index.native for e in self.engines)
+            return pool(layout, batch.stacked, rows, inverses, weights, table, self._recycler, native)
 
     def _pool_by_group(self, batch: Batch, looked: list) -> PooledEmbeddings:
         """Pool each group into [F_g * B, D] and concatenate (tables of several dtypes or

@@ -26,6 +26,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from dynemb.kernels.pool import copy_bags_native
 from dynemb.workspace import Recycler
 
 # Narrowest unit (elements) used, and most units per feature on average: narrower units make
@@ -96,6 +97,7 @@ def pool(
     weights: list[torch.Tensor | None] | None,
     table: torch.Tensor,
     recycler: Recycler | None = None,
+    native: bool = False,
 ) -> tuple[torch.Tensor, list[_GroupGrad]]:
     """The concat [B, K * u] of every feature's pooled bags, and each group's backward info.
 
@@ -107,11 +109,25 @@ def pool(
         weights: per group, per-id weights [N_g], or None (unweighted collection).
         table: scratch [sum_g U_g k_g, u] for the unit table.
         recycler: where the output's memory comes from (one id per bag), or None (fresh).
+        native: one id per bag, unweighted: copy the rows with the compiled kernel
+            (:func:`dynemb.kernels.pool.copy_bags_native`, CPU) instead of the unit table.
     """
     F_all, B = stacked.shape
     K, u = layout.K, layout.unit
     device = stacked.device
     consts = layout.on(device)
+    n_ids = sum(inv.numel() for inv in inverses)
+    single = weights is None and n_ids == F_all * B and bool((stacked == 1).all())
+    sample_rows = torch.arange(B, device=device).mul_(K)  # [B] unit row of each sample's first unit
+    grads: list[_GroupGrad] = []
+    if single and native:
+        # Each (feature, sample)'s row copied from the group's rows into its columns: no unit
+        # table, no index arrays.
+        out = torch.empty(B, K * u, dtype=rows[0].dtype, device=device) if recycler is None else recycler.get("concat", (B, K * u), rows[0].dtype, device)
+        for g, (r, inv) in enumerate(zip(rows, inverses)):
+            copy_bags_native(out, [layout.cols[j] * u for j in layout.group_features[g]], r, inv)
+            grads.append(_GroupGrad((consts["group_cols"][g][:, None] + sample_rows[None, :]).reshape(-1), None))
+        return out, grads
     base = 0
     bases = []
     for r, k in zip(rows, layout.group_k):
@@ -120,10 +136,6 @@ def pool(
             table[base : base + n].view(r.shape).copy_(r)
         bases.append(base)
         base += n
-    n_ids = sum(inv.numel() for inv in inverses)
-    single = weights is None and n_ids == F_all * B and bool((stacked == 1).all())
-    sample_rows = torch.arange(B, device=device).mul_(K)  # [B] unit row of each sample's first unit
-    grads: list[_GroupGrad] = []
     if single:
         idx = torch.empty(B * K, dtype=torch.int64, device=device)
         for g, (inv, k) in enumerate(zip(inverses, layout.group_k)):
