@@ -7,6 +7,8 @@ Uses and their bits (independent, so e.g. rank routing does not starve buckets):
     bucket 1    high 32 bits of mix(key)           (multiply-shift onto [0, B))
     bucket 2    high 32 bits of mix(mix(key))      (the second choice of two-choice hashing)
     rank        low 32 bits of mix(key)            (multiply-shift onto [0, R))
+    tag         low 8 bits of mix(mix(key)), 0 read as 1   (the index's per-slot tag byte:
+                0 marks an empty slot; a probe compares tags before keys, docs/design/0039)
     init        mix(key ^ salt) * (mix(column ^ ~salt) | 1), salt from the seed: 64 bits per
                 (key, column) (init_bits); storage/initializers.py asks for ceil(D/2) columns
                 and takes two uniforms from each value, one from its leading bits, one from
@@ -63,6 +65,12 @@ def candidate_buckets(keys: torch.Tensor, num_buckets: int) -> tuple[torch.Tenso
     """The two buckets a key may live in ([N] int64 -> two [N] int64); they may coincide."""
     mixed = mix64(keys)
     return bucket_of(mixed, num_buckets), bucket_of(mix64(mixed), num_buckets)
+
+
+def tag_of(keys: torch.Tensor) -> torch.Tensor:
+    """The index's tag byte of each key, in [1, 255] ([*] int64 -> [*] uint8)."""
+    t = mix64(mix64(keys)) & 0xFF
+    return t.masked_fill_(t == 0, 1).to(torch.uint8)
 
 
 def rank_of(mixed: torch.Tensor, world_size: int) -> torch.Tensor:

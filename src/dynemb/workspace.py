@@ -41,7 +41,8 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
         elif t.dtype == torch.bool:
             t.fill_(True)
         else:
-            t.fill_(-0x5A5A5A5A5A5A5A5A if t.dtype == torch.int64 else -0x5A5A5A5A)
+            loud = {torch.int64: -0x5A5A5A5A5A5A5A5A, torch.int32: -0x5A5A5A5A}
+            t.fill_(loud.get(t.dtype, 0x5A))
     return t
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynemb.hashing import candidate_buckets
+from dynemb.hashing import candidate_buckets, tag_of
 from dynemb.kernels import uses_native
 from dynemb.kernels.dedup import dedup, dedup_native, dedup_torch
 from dynemb.kernels.locate import locate_native, locate_torch
@@ -112,8 +112,8 @@ def test_locate_matches_torch(case):
         kwargs = {"capacity": 1 << 13}
     index = filled_index("torch", held, **kwargs)
     b1, b2 = index.candidate_buckets(probe)
-    want = locate_torch(index._keys, index._used, b1, b2, probe, Workspace("cpu"))
-    pos, found, rows = locate_native(index._keys, index._used, index._segments, probe, None, index._rows)
+    want = locate_torch(index._keys, index._tags, b1, b2, probe, Workspace("cpu"))
+    pos, found, rows = locate_native(index._keys, index._tags, index._segments, probe, None, index._rows)
     assert_same((pos, found), want)
     assert torch.equal(rows, index.find(probe)[0])
     assert int(found.sum()) == torch.isin(probe, held).sum()
@@ -127,12 +127,12 @@ def test_locate_with_segments_matches_torch():
     probe_seg = torch.cat([seg, (seg + 1) % 3])
     probe = torch.cat([keys, keys])
     b1, b2 = index.candidate_buckets(probe, probe_seg)
-    want = locate_torch(index._keys, index._used, b1, b2, probe, Workspace("cpu"))
-    assert_same(locate_native(index._keys, index._used, index._segments, probe, probe_seg)[:2], want)
+    want = locate_torch(index._keys, index._tags, b1, b2, probe, Workspace("cpu"))
+    assert_same(locate_native(index._keys, index._tags, index._segments, probe, probe_seg)[:2], want)
 
 
 def index_state(index: KeyIndex) -> list[torch.Tensor]:
-    return [index._keys, index._used, index._rows, index._scores, index.free_list.state()["free"]]
+    return [index._keys, index._tags, index._rows, index._scores, index.free_list.state()["free"]]
 
 
 def assert_same_index(a: KeyIndex, b: KeyIndex) -> None:
@@ -140,6 +140,9 @@ def assert_same_index(a: KeyIndex, b: KeyIndex) -> None:
     for x, y in zip(index_state(a), index_state(b)):
         assert x.dtype == y.dtype and torch.equal(x, y)
     assert a.free_list.high_water == b.free_list.high_water and a.free_list.num_free() == b.free_list.num_free()
+    # Every used slot holds its key's tag (0 marks an empty slot): what the native probes rely on.
+    used = a._tags.view(-1) != 0
+    assert torch.equal(a._tags.view(-1)[used], tag_of(a._keys.view(-1)[used]))
 
 
 def assert_same_result(x, y) -> None:

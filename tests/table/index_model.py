@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from dynemb.hashing import candidate_buckets
+from dynemb.hashing import candidate_buckets, tag_of
 
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
@@ -53,8 +53,10 @@ def layout(index) -> dict[int, tuple[int, int]]:
     rules are stated in terms of buckets and slots.
     """
     W = index.bucket_capacity
-    used = index._used.reshape(-1).nonzero().squeeze(1)
+    used = index._tags.reshape(-1).nonzero().squeeze(1)
     keys = index._keys.reshape(-1).index_select(0, used)
+    # Every used slot holds its key's tag (the probes screen slots by tag before key).
+    assert torch.equal(index._tags.reshape(-1).index_select(0, used), tag_of(keys)), "a slot's tag is not its key's"
     return {k: (p // W, p % W) for k, p in zip(keys.tolist(), used.tolist())}
 
 

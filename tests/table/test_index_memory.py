@@ -22,7 +22,7 @@ def t(values):
 
 def _kept_bytes(index: KeyIndex) -> int:
     # Every tensor of the index's size in slots (the workspace and free list aside).
-    kept = [index._keys, index._used, index._rows, index._scores]
+    kept = [index._keys, index._tags, index._rows, index._scores]
     return sum(x.numel() * x.element_size() for x in kept)
 
 

@@ -90,7 +90,7 @@ def test_index_bytes():
     assert index_bytes(1 << 20) == 17 << 20
     assert index_bytes(1 << 32) == 21 << 32
     index = KeyIndex(capacity=1 << 10)
-    kept = [index._keys, index._used, index._rows, index._scores]
+    kept = [index._keys, index._tags, index._rows, index._scores]
     assert sum(x.numel() * x.element_size() for x in kept) == index_bytes(index.current_capacity())
 
 
@@ -341,7 +341,7 @@ def test_same_geometry():
 
 
 def _assert_kept_tensors_normal(index: KeyIndex) -> None:
-    kept = [index._keys, index._used, index._rows, index._scores, index._slot_ids, index.free_list._stack]
+    kept = [index._keys, index._tags, index._rows, index._scores, index._slot_ids, index.free_list._stack]
     assert not any(x.is_inference() for x in kept)
 
 

@@ -4,6 +4,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <vector>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 
 namespace dynemb {
 
@@ -20,6 +23,50 @@ inline int64_t bucket_of(uint64_t mixed, int64_t num_buckets) {
   return static_cast<int64_t>(((mixed >> 32) * static_cast<uint64_t>(num_buckets)) >> 32);
 }
 
+// The tag byte of a key from mix64(mix64(key)): its low 8 bits, 0 read as 1 (dynemb/hashing.py
+// tag_of). A slot's tag is 0 when it is empty, else its key's tag.
+inline uint8_t tag_of(uint64_t mixed2) {
+  const uint8_t t = static_cast<uint8_t>(mixed2 & 0xFF);
+  return t ? t : 1;
+}
+
+// The slot of ``key`` among bucket ``base``'s W slots (its tag ``t``), or -1: the first slot whose
+// tag and key match. A used slot always holds its key's tag, so this is the first used slot
+// holding the key; the tags (one line for 16 slots) screen the key lines.
+inline int64_t find_in_bucket(const int64_t* table_keys, const uint8_t* tags, int64_t base, int64_t W, int64_t key, uint8_t t) {
+  int64_t j = 0;
+#ifdef __SSE2__
+  const __m128i tv = _mm_set1_epi8(static_cast<char>(t));
+  for (; j + 16 <= W; j += 16) {
+    unsigned m = static_cast<unsigned>(_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tags + base + j)), tv)));
+    while (m) {
+      const int b = __builtin_ctz(m);
+      if (table_keys[base + j + b] == key) return base + j + b;
+      m &= m - 1;
+    }
+  }
+#endif
+  for (; j < W; ++j)
+    if (tags[base + j] == t && table_keys[base + j] == key) return base + j;
+  return -1;
+}
+
+// The first slot of bucket ``base`` whose tag is ``t`` (-1: none): where the key most likely is,
+// to prefetch its key and row lines before the compare.
+inline int64_t first_tag(const uint8_t* tags, int64_t base, int64_t W, uint8_t t) {
+  int64_t j = 0;
+#ifdef __SSE2__
+  const __m128i tv = _mm_set1_epi8(static_cast<char>(t));
+  for (; j + 16 <= W; j += 16) {
+    const unsigned m = static_cast<unsigned>(_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tags + base + j)), tv)));
+    if (m) return base + j + __builtin_ctz(m);
+  }
+#endif
+  for (; j < W; ++j)
+    if (tags[base + j] == t) return base + j;
+  return -1;
+}
+
 // The two candidate buckets of key i: global bucket ids, as Segments.candidates computes them.
 struct Candidates {
   const int64_t* seg;         // [N] segment of each key, or null (one segment)
@@ -27,15 +74,16 @@ struct Candidates {
   const int64_t* seg_offsets; // [S] first bucket of each segment
   int64_t total;              // buckets in all (one segment)
 
-  inline void of(int64_t key, int64_t i, int64_t* b1, int64_t* b2) const {
+  inline void of(int64_t key, int64_t i, int64_t* b1, int64_t* b2, uint8_t* tag = nullptr) const {
     int64_t nb = total, off = 0;
     if (seg) {
       nb = seg_counts[seg[i]];
       off = seg_offsets[seg[i]];
     }
-    uint64_t m = mix64(static_cast<uint64_t>(key));
+    const uint64_t m = mix64(static_cast<uint64_t>(key)), m2 = mix64(m);
     *b1 = bucket_of(m, nb) + off;
-    *b2 = bucket_of(mix64(m), nb) + off;
+    *b2 = bucket_of(m2, nb) + off;
+    if (tag) *tag = tag_of(m2);
   }
 };
 

@@ -20,7 +20,7 @@ static constexpr int64_t AHEAD = 8;
 // ``taken`` the E slots taken (``old_keys`` / ``old_scores`` what they held), in the order the
 // twin reports them (round by round, each round's winners in priority order).
 extern "C" int64_t dyn_evict_for(
-    int64_t* table_keys, const bool* used, void* table_scores,  // [B, W]
+    int64_t* table_keys, uint8_t* used, void* table_scores,  // [B, W]; used: the tags, 0 where empty
     int64_t W, int64_t total_buckets, int64_t score_bytes,
     const int64_t* keys, const int64_t* scores,                 // [P]
     const int64_t* seg, const int64_t* seg_counts, const int64_t* seg_offsets,
@@ -124,6 +124,7 @@ extern "C" int64_t dyn_evict_for(
       old_scores[e] = score_at(p);
       ++e;
       table_keys[p] = keys[i];
+      used[p] = tag_of(mix64(mix64(static_cast<uint64_t>(keys[i]))));
       if (score_bytes == 4)
         static_cast<int32_t*>(table_scores)[p] = static_cast<int32_t>(scores[i]);
       else

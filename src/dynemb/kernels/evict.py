@@ -14,7 +14,7 @@ from dynemb.kernels import library, ptr, threads
 
 def evict_for_native(
     table_keys: torch.Tensor,
-    used: torch.Tensor,
+    tags: torch.Tensor,
     table_scores: torch.Tensor,
     segments,
     keys: torch.Tensor,
@@ -26,7 +26,7 @@ def evict_for_native(
     """Evict for P keys (in priority order); the table's keys and scores are written in place.
 
     Args:
-        table_keys (Tensor[int64]), used (Tensor[bool]), table_scores (Tensor[int32|int64]):
+        table_keys (Tensor[int64]), tags (Tensor[uint8], 0 where empty), table_scores (Tensor[int32|int64]):
             [B, W] the index's slots.
         segments: the index's :class:`dynemb.table.geometry.Segments`.
         keys, scores (Tensor[int64]): [P]; seg (Tensor[int64] | None): [P] their segments.
@@ -43,7 +43,7 @@ def evict_for_native(
     taken, old_keys, old_scores = (torch.empty(n, dtype=torch.int64) for _ in range(3))
     e = library().dyn_evict_for(
         ptr(table_keys),
-        ptr(used),
+        ptr(tags),
         ptr(table_scores),
         table_keys.shape[1],
         table_keys.shape[0],

@@ -15,12 +15,13 @@ from dynemb.kernels import library, ptr, threads
 
 
 def locate_torch(
-    table_keys: torch.Tensor, used: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, keys: torch.Tensor, workspace
+    table_keys: torch.Tensor, tags: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, keys: torch.Tensor, workspace
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat slot of each key ([N] int64, -1 if absent) and whether it is present ([N] bool).
 
     Args:
-        table_keys (Tensor[int64]), used (Tensor[bool]): [B, W] the index's slots.
+        table_keys (Tensor[int64]), tags (Tensor[uint8]): [B, W] the index's slots (a slot is
+            used where its tag is not 0).
         b1, b2 (Tensor[int64]): [N] each key's candidate buckets.
         keys (Tensor[int64]): [N].
         workspace: a :class:`dynemb.workspace.Workspace` for the [2N, W] candidates.
@@ -29,9 +30,9 @@ def locate_torch(
     buckets = torch.stack([b1, b2], 1).view(-1)  # [2N]
     n = keys.numel()
     cand = torch.index_select(table_keys, 0, buckets, out=workspace.get("cand", 2 * n, (W,), torch.int64))
-    in_use = torch.index_select(used, 0, buckets, out=workspace.get("used", 2 * n, (W,), torch.bool))
+    cand_tags = torch.index_select(tags, 0, buckets, out=workspace.get("tags", 2 * n, (W,), torch.uint8))
     match = torch.eq(cand.view(n, 2 * W), keys[:, None], out=workspace.get("match", n, (2 * W,), torch.bool))
-    match &= in_use.view(n, 2 * W)
+    match &= cand_tags.view(n, 2 * W) != 0
     # First matching slot among the 2W (when both candidates are one bucket it matches twice);
     # argmax is 0 where nothing matches, and the match there says whether the key was found.
     slot = match.view(torch.uint8).argmax(1)
@@ -43,7 +44,7 @@ def locate_torch(
 
 def locate_native(
     table_keys: torch.Tensor,
-    used: torch.Tensor,
+    tags: torch.Tensor,
     segments,
     keys: torch.Tensor,
     seg: torch.Tensor | None,
@@ -59,7 +60,7 @@ def locate_native(
     if keys.is_cuda:
         from dynemb.kernels.gpu.locate import locate_triton
 
-        return locate_triton(table_keys, used, segments, keys, seg, table_rows)
+        return locate_triton(table_keys, tags, segments, keys, seg, table_rows)
     keys = keys.contiguous()
     seg = None if seg is None else seg.contiguous()
     n = keys.numel()
@@ -68,7 +69,7 @@ def locate_native(
     rows = None if table_rows is None else torch.empty(n, dtype=torch.int64)
     library().dyn_locate(
         ptr(table_keys),
-        ptr(used),
+        ptr(tags),
         table_keys.shape[1],
         table_keys.shape[0],
         ptr(keys),

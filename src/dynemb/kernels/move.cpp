@@ -15,7 +15,7 @@ namespace {
 
 struct Mover {
   int64_t* keys;
-  bool* used;
+  uint8_t* used;  // the tags: 0 where empty
   char* rows;
   int64_t row_bytes;
   char* scores;
@@ -86,8 +86,8 @@ struct Mover {
       if (dst < 0) continue;
       const int64_t src = full[f] * W + best[f];
       copy_slot(src, dst);
-      used[dst] = true;
-      used[src] = false;
+      used[dst] = used[src];
+      used[src] = 0;
       src_all.push_back(src);
       dst_all.push_back(dst);
       ++n_moves;
@@ -126,7 +126,7 @@ struct Mover {
 // ``steps`` how many each invocation made (one entry per invocation that found a full bucket,
 // in call order, as the twin appends them), ``n_out`` [2] the number of moves and of steps.
 extern "C" int64_t dyn_move_out(
-    int64_t* table_keys, bool* used, void* table_rows, int64_t row_bytes, void* table_scores, int64_t score_bytes,
+    int64_t* table_keys, uint8_t* used, void* table_rows, int64_t row_bytes, void* table_scores, int64_t score_bytes,
     int64_t W, int64_t total_buckets,
     const int64_t* of_bucket, const int64_t* seg_counts, const int64_t* seg_offsets,
     const int64_t* buckets, int64_t q,   // [Q] distinct

@@ -17,7 +17,7 @@ MAX_DEPTH = 2
 
 def move_out_native(
     table_keys: torch.Tensor,
-    used: torch.Tensor,
+    tags: torch.Tensor,
     table_rows: torch.Tensor,
     table_scores: torch.Tensor,
     segments,
@@ -29,7 +29,7 @@ def move_out_native(
     written in place.
 
     Args:
-        table_keys (Tensor[int64]), used (Tensor[bool]), table_rows (Tensor[int32|int64]),
+        table_keys (Tensor[int64]), tags (Tensor[uint8], 0 where empty), table_rows (Tensor[int32|int64]),
             table_scores (Tensor[int32|int64]): [B, W] the index's slots.
         segments: the index's :class:`dynemb.table.geometry.Segments`.
         depth: at most :data:`MAX_DEPTH`; deep_limit: buckets explored one level deeper.
@@ -49,7 +49,7 @@ def move_out_native(
     of_bucket = segments.of_bucket
     s = library().dyn_move_out(
         ptr(table_keys),
-        ptr(used),
+        ptr(tags),
         ptr(table_rows),
         table_rows.element_size(),
         ptr(table_scores),

@@ -36,14 +36,14 @@ static void radix_sort_slots(int64_t* v, int64_t* buffer, int64_t n) {
   if (src != v) std::copy(src, src + n, v);
 }
 
-static inline int64_t free_in(const bool* used, int64_t bucket, int64_t W) {
+static inline int64_t free_in(const uint8_t* used, int64_t bucket, int64_t W) {
   int64_t f = 0;
   for (int64_t j = 0; j < W; ++j) f += !used[bucket * W + j];
   return f;
 }
 
 // The lines a key's placement writes: its bucket's flags, keys and score.
-__attribute__((always_inline)) inline void prefetch_target(const int64_t* table_keys, const bool* used, const char* scores, int64_t score_bytes,
+__attribute__((always_inline)) inline void prefetch_target(const int64_t* table_keys, const uint8_t* used, const char* scores, int64_t score_bytes,
                                                            int64_t base, int64_t W) {
   __builtin_prefetch(used + base, 1);
   __builtin_prefetch(table_keys + base, 1);
@@ -66,7 +66,7 @@ static constexpr int AHEAD = 8;
 // thread sorts its slots, and the ranges ascend, so the round's slots come out ascending.
 extern "C" int64_t dyn_place_free(
     int64_t* table_keys,         // [B, W]
-    bool* used,                  // [B, W]
+    uint8_t* used,               // [B, W] tags: 0 where empty, else the slot key's tag
     void* table_scores,          // [B, W] int32 or int64
     const int64_t* keys,         // [P]
     const int64_t* scores,       // [P]
@@ -166,7 +166,7 @@ extern "C" int64_t dyn_place_free(
         const int64_t limit = halve ? (nfree[i] + 1) / 2 : nfree[i];
         if (nfree[i] - free_now >= limit) continue;
         table_keys[slot] = keys[i];
-        used[slot] = true;
+        used[slot] = tag_of(mix64(mix64(static_cast<uint64_t>(keys[i]))));
         if (score_bytes == 4)
           static_cast<int32_t*>(table_scores)[slot] = static_cast<int32_t>(scores[i]);
         else

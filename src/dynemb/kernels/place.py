@@ -20,7 +20,7 @@ MAX_ROUNDS = 10
 
 def place_free_native(
     table_keys: torch.Tensor,
-    used: torch.Tensor,
+    tags: torch.Tensor,
     table_scores: torch.Tensor,
     segments,
     keys: torch.Tensor,
@@ -31,7 +31,7 @@ def place_free_native(
     """Write keys and scores into free slots (in place) and say where.
 
     Args:
-        table_keys (Tensor[int64]), used (Tensor[bool]), table_scores (Tensor[int32|int64]):
+        table_keys (Tensor[int64]), tags (Tensor[uint8], 0 where empty), table_scores (Tensor[int32|int64]):
             [B, W] the index's slots, written in place.
         segments: the index's :class:`dynemb.table.geometry.Segments`.
         keys, scores (Tensor[int64]): [P]; scores already fit ``table_scores``' dtype.
@@ -53,7 +53,7 @@ def place_free_native(
     cap = 7 * n
     m = library().dyn_place_free(
         ptr(table_keys),
-        ptr(used),
+        ptr(tags),
         ptr(table_scores),
         ptr(keys),
         ptr(scores),

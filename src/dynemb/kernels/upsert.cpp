@@ -11,7 +11,7 @@
 
 using namespace dynemb;
 
-extern "C" int64_t dyn_locate(const int64_t*, const bool*, int64_t, int64_t, const int64_t*, const int64_t*, const int64_t*, const int64_t*,
+extern "C" int64_t dyn_locate(const int64_t*, const uint8_t*, int64_t, int64_t, const int64_t*, const int64_t*, const int64_t*, const int64_t*,
                               int64_t, int64_t*, bool*, const void*, int64_t, int64_t*, int64_t);
 
 static constexpr int64_t I64_MAX = std::numeric_limits<int64_t>::max();
@@ -21,7 +21,7 @@ static constexpr int64_t I32_MAX = std::numeric_limits<int32_t>::max();
 // Returns M, the number of missing keys (``missing`` gets them in priority order), or -1 when
 // a score of this call does not fit the int32 scores (nothing written: widen, then call again).
 extern "C" int64_t dyn_upsert_found(
-    const int64_t* table_keys, const bool* used,
+    const int64_t* table_keys, const uint8_t* tags,  // [B, W] tags: 0 where empty
     void* table_scores,            // [B, W] int32 or int64
     int64_t W, int64_t total_buckets, int64_t score_bytes,
     const int64_t* keys,           // [U] distinct
@@ -50,14 +50,9 @@ extern "C" int64_t dyn_upsert_found(
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const int64_t lo = blk * PROBE_BLOCK, len = lo + PROBE_BLOCK < n ? PROBE_BLOCK : n - lo;
       int64_t* at = pos + lo;
-      probe_block(table_keys, used, W, cand, keys + lo, lo, len, at);
-      // The found keys' score lines, 2 * PROBE_AHEAD keys ahead (prefetching both buckets'
-      // score lines with the probe fetched two lines a key, one never written).
-      constexpr int64_t AHEAD = 2 * PROBE_AHEAD;
-      for (int64_t i = 0; i < AHEAD && i < len; ++i)
-        if (at[i] >= 0) __builtin_prefetch(scores + at[i] * score_bytes, 1);
+      // The score line of each key's likely slot is requested with its key line.
+      probe_block(table_keys, tags, W, cand, keys + lo, lo, len, at, scores, score_bytes);
       for (int64_t i = 0; i < len; ++i) {
-        if (i + AHEAD < len && at[i + AHEAD] >= 0) __builtin_prefetch(scores + at[i + AHEAD] * score_bytes, 1);
         found[lo + i] = at[i] >= 0;
         if (at[i] < 0) continue;
         if (score_bytes == 4)
@@ -73,7 +68,7 @@ extern "C" int64_t dyn_upsert_found(
       std::stable_sort(missing, missing + m, [&](int64_t a, int64_t b) { return batch_scores[a] > batch_scores[b]; });
     return m;
   }
-  dyn_locate(table_keys, used, W, total_buckets, keys, seg, seg_counts, seg_offsets, n, pos, found, nullptr, 0, nullptr, nthreads);
+  dyn_locate(table_keys, tags, W, total_buckets, keys, seg, seg_counts, seg_offsets, n, pos, found, nullptr, 0, nullptr, nthreads);
   auto new_score = [&](int64_t i) -> int64_t {
     const int64_t old = stored(pos[i]), add = counts[i];
     return old > I64_MAX - add ? I64_MAX : old + add;

@@ -16,7 +16,7 @@ from dynemb.kernels import library, ptr, threads
 
 def found_and_missing_native(
     table_keys: torch.Tensor,
-    used: torch.Tensor,
+    tags: torch.Tensor,
     table_scores: torch.Tensor,
     segments,
     keys: torch.Tensor,
@@ -30,7 +30,7 @@ def found_and_missing_native(
     when a score of this call does not fit ``table_scores``' int32 (then nothing was written).
 
     Args:
-        table_keys (Tensor[int64]), used (Tensor[bool]), table_scores (Tensor[int32|int64]):
+        table_keys (Tensor[int64]), tags (Tensor[uint8], 0 where empty), table_scores (Tensor[int32|int64]):
             [B, W] the index's slots; the found keys' scores are written in place.
         segments: the index's :class:`dynemb.table.geometry.Segments`.
         keys (Tensor[int64]): [U] distinct; seg (Tensor[int64] | None): [U] their segments.
@@ -44,7 +44,7 @@ def found_and_missing_native(
     missing = torch.empty(n, dtype=torch.int64)
     m = library().dyn_upsert_found(
         ptr(table_keys),
-        ptr(used),
+        ptr(tags),
         ptr(table_scores),
         table_keys.shape[1],
         table_keys.shape[0],

@@ -60,7 +60,7 @@ def rounded_capacity(capacity: int, init_capacity: int | None, bucket_capacity: 
 
 def bytes_per_slot(capacity: int, wide_scores: bool = False) -> int:
     """Bytes of one slot of an index of ``capacity`` slots: key (int64), row id (int32 below
-    2**31 slots, else int64), score (int32, int64 once widened) and the used flag. See
+    2**31 slots, else int64), score (int32, int64 once widened) and the tag byte (0: empty; docs/design/0039). See
     docs/design/0035-index-memory.md."""
     return 8 + row_dtype(capacity).itemsize + (8 if wide_scores else 4) + 1
 

@@ -77,7 +77,7 @@ class Growth:
         old = self._segments
         new = Segments([b << d for b, d in zip(old.buckets, doublings)], self.device)
         tables = self._new_tables(new.total)
-        used = self._used.view(-1).nonzero().squeeze(1)  # [K]
+        used = self._tags.view(-1).nonzero().squeeze(1)  # [K]
         keys = self._keys.view(-1).index_select(0, used)
         if old.of_bucket is None:
             # A key in old bucket c (its first or second candidate) goes to that candidate's child.
@@ -97,10 +97,9 @@ class Growth:
             src = torch.cat([kept, moved.index_select(0, order)])
             pos = torch.cat([used.index_select(0, kept) + shift, bucket * W + rank])
         at = used.index_select(0, src)
-        new_keys, new_used, new_rows, new_scores = tables
-        for table, out in ((self._keys, new_keys), (self._rows, new_rows), (self._scores, new_scores)):
+        new_keys, new_tags, new_rows, new_scores = tables
+        for table, out in ((self._keys, new_keys), (self._tags, new_tags), (self._rows, new_rows), (self._scores, new_scores)):
             out.view(-1).scatter_(0, pos, table.view(-1).index_select(0, at))
-        new_used.view(-1).index_fill_(0, pos, True)
         self._segments = new
         self._set_tables(tables)
         self._stats["growths"] += sum(doublings)

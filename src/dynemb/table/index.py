@@ -2,7 +2,7 @@
 
 N keys in a call, U unique keys, K keys held, S segments, B buckets, W slots per bucket.
 
-Layout: four [B, W] tensors (key int64, used flag, row id int32 below 2**31 slots, score int32
+Layout: four [B, W] tensors (key int64, tag byte: 0 empty else the key's tag, row id int32 below 2**31 slots, score int32
 until a score does not fit, then int64): 17 bytes a slot, 20 a key at the default maximum load
 factor 0.85 (docs/design/0035). Every method takes and returns int64. Two-choice hashing: a key may live
 at any slot of either of its two candidate buckets; lookups compare it against those 2W slots
@@ -172,19 +172,19 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
         self.free_list = FreeList(self.capacity(), self.device)
 
     def _new_tables(self, num_buckets: int) -> tuple[torch.Tensor, ...]:
-        """Fresh (keys, used, rows, scores) [B, W], all slots empty, in the stored dtypes."""
+        """Fresh (keys, tags, rows, scores) [B, W], all slots empty (tag 0), in the stored dtypes."""
         shape = (num_buckets, self.bucket_capacity)
         # Kept across calls: never inference tensors, even when created under inference mode.
         with torch.inference_mode(False):
             return (
                 torch.zeros(shape, dtype=torch.int64, device=self.device),
-                torch.zeros(shape, dtype=torch.bool, device=self.device),
+                torch.zeros(shape, dtype=torch.uint8, device=self.device),
                 torch.full(shape, -1, dtype=self._row_dtype, device=self.device),
                 torch.zeros(shape, dtype=self._score_dtype, device=self.device),
             )
 
     def _set_tables(self, tables: tuple[torch.Tensor, ...]) -> None:
-        self._keys, self._used, self._rows, self._scores = tables
+        self._keys, self._tags, self._rows, self._scores = tables
         self.num_buckets = self._keys.shape[0]
         with torch.inference_mode(False):
             self._slot_ids = torch.arange(self.bucket_capacity, device=self.device)
@@ -222,7 +222,7 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
         if self.num_segments > 1:
             with torch.inference_mode(False):
                 self._segment_size = torch.zeros(self.num_segments, dtype=torch.int64, device=self.device).index_add_(
-                    0, self._segments.of_bucket, self._used.sum(1)
+                    0, self._segments.of_bucket, (self._tags != 0).sum(1)
                 )
 
     @property
@@ -284,10 +284,10 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
     def _locate(self, keys: torch.Tensor, seg: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat slot of each key (-1 if absent) and whether it is present ([N] int64, [N] bool)."""
         if self.compiled:
-            pos, found, _ = locate_native(self._keys, self._used, self._segments, keys, seg)
+            pos, found, _ = locate_native(self._keys, self._tags, self._segments, keys, seg)
             return pos, found
         b1, b2 = self._buckets(keys, seg)
-        return locate_torch(self._keys, self._used, b1, b2, keys, self._workspace)
+        return locate_torch(self._keys, self._tags, b1, b2, keys, self._workspace)
 
     def _dedup(self, keys: torch.Tensor, seg: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """(unique [U], their segments [U] or None, inverse [N], counts [U]) of keys [N].
@@ -325,7 +325,7 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
         flat = self._check_keys(keys)
         seg = self._check_segments(segments, flat.numel())
         if self.compiled:
-            _, found, rows = locate_native(self._keys, self._used, self._segments, flat, seg, self._rows)
+            _, found, rows = locate_native(self._keys, self._tags, self._segments, flat, seg, self._rows)
             return rows.view(keys.shape), found.view(keys.shape)
         pos, found = self._locate(flat, seg)
         rows = self._rows_at(pos)
@@ -454,7 +454,7 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
             erased = unique[found]
             erased_rows = self._rows_at(hit)
             erased_scores = self._scores_at(hit)
-            self._used.view(-1).index_fill_(0, hit, False)
+            self._tags.view(-1).index_fill_(0, hit, 0)
             self.free_list.release(erased_rows)
             self._size -= hit.numel()
             self._count("erased", hit)
@@ -477,7 +477,7 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
         """Move every index tensor and the free list to ``device``."""
         device = resolve_device(device)
         with torch.inference_mode(False):
-            tables = tuple(t.to(device) for t in (self._keys, self._used, self._rows, self._scores))
+            tables = tuple(t.to(device) for t in (self._keys, self._tags, self._rows, self._scores))
             if self._segment_stats is not None:
                 self._segment_stats = self._segment_stats.to(device)
             if self._segment_size is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from dynemb.hashing import tag_of
 from dynemb.kernels.evict import evict_for_native
 from dynemb.kernels.move import MAX_DEPTH as MOVE_KERNEL_DEPTH
 from dynemb.kernels.move import move_out_native
@@ -68,7 +69,7 @@ def _follow(positions: torch.Tensor, moves: list[tuple[torch.Tensor, torch.Tenso
 
 class BatchPlacement:
     """The placement steps of :class:`dynemb.table.index.KeyIndex` (a mixin: it reads and
-    writes the index's tensors ``_keys``, ``_used``, ``_rows``, ``_scores``)."""
+    writes the index's tensors ``_keys``, ``_tags``, ``_rows``, ``_scores``)."""
 
     def _upsert(self, unique: torch.Tensor, counts: torch.Tensor, batch_scores: torch.Tensor, own: bool, seg: torch.Tensor | None = None) -> IndexResult:
         """upsert_unique after argument checks; ``own``: the scores are the strategy's (not given);
@@ -183,11 +184,11 @@ class BatchPlacement:
         self, unique: torch.Tensor, counts: torch.Tensor, batch_scores: torch.Tensor, lfu_add: bool, uniform: bool, seg: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`_found_and_missing` by the compiled kernel (bitwise the same)."""
-        got = found_and_missing_native(self._keys, self._used, self._scores, self._segments, unique, seg, batch_scores, counts, lfu_add, uniform)
+        got = found_and_missing_native(self._keys, self._tags, self._scores, self._segments, unique, seg, batch_scores, counts, lfu_add, uniform)
         if got is None:
             # A score of this call does not fit int32 (nothing was written): widen, then redo.
             self._widen_scores()
-            got = found_and_missing_native(self._keys, self._used, self._scores, self._segments, unique, seg, batch_scores, counts, lfu_add, uniform)
+            got = found_and_missing_native(self._keys, self._tags, self._scores, self._segments, unique, seg, batch_scores, counts, lfu_add, uniform)
         return got
 
     def _place_free(self, keys: torch.Tensor, scores: torch.Tensor, seg: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,13 +212,12 @@ class BatchPlacement:
         b1, b2 = self._buckets(keys, seg)
         # Ties between equally free candidates go by a bit of the buckets, not always to bucket 1.
         tie_second = ((b1 ^ b2) & 1).bool()
-        W = self.bucket_capacity
 
         def one_round(halve: bool, other: bool) -> int:
             todo = (~placed).nonzero().squeeze(1)
             t1, t2 = b1.index_select(0, todo), b2.index_select(0, todo)
-            free1 = W - self._used.index_select(0, t1).sum(1)
-            free2 = W - self._used.index_select(0, t2).sum(1)
+            free1 = (self._tags.index_select(0, t1) == 0).sum(1)
+            free2 = (self._tags.index_select(0, t2) == 0).sum(1)
             # Keys whose buckets are both full wait (for displacement or eviction).
             room = ((free1 > 0) | (free2 > 0)).nonzero().squeeze(1)
             if room.numel() == 0:
@@ -241,7 +241,7 @@ class BatchPlacement:
 
     def _place_free_native(self, keys: torch.Tensor, scores: torch.Tensor, seg: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_place_free` by the compiled kernel (same slots, same row ids)."""
-        pos, order, rounds = place_free_native(self._keys, self._used, self._scores, self._segments, keys, scores, seg, self._workspace)
+        pos, order, rounds = place_free_native(self._keys, self._tags, self._scores, self._segments, keys, scores, seg, self._workspace)
         # One free-list call per round, as _fill makes: the row ids each slot gets match.
         ids = [self.free_list.allocate(n) for n in rounds]
         if ids:
@@ -264,8 +264,9 @@ class BatchPlacement:
         fits, pos = self._free_slots(bucket, rank, halve)
         fit_pos = pos[fits]
         fit_idx = order[fits]
-        self._keys.view(-1).scatter_(0, fit_pos, keys.index_select(0, fit_idx))
-        self._used.view(-1).index_fill_(0, fit_pos, True)
+        fit_keys = keys.index_select(0, fit_idx)
+        self._keys.view(-1).scatter_(0, fit_pos, fit_keys)
+        self._tags.view(-1).scatter_(0, fit_pos, tag_of(fit_keys))
         self._scores.view(-1).scatter_(0, fit_pos, scores.index_select(0, fit_idx).to(self._scores.dtype))
         self._rows.view(-1).scatter_(0, fit_pos, self.free_list.allocate(fit_pos.numel()).to(self._rows.dtype))
         self._size += fit_pos.numel()
@@ -282,7 +283,7 @@ class BatchPlacement:
                 rounded up, with ``halve``).
             pos (Tensor[int64]): [P] flat slot, meaningful where fits.
         """
-        free = ~self._used.index_select(0, bucket)  # [P, W]
+        free = self._tags.index_select(0, bucket) == 0  # [P, W]
         n_free = free.sum(1)
         fits = rank < ((n_free + 1) // 2 if halve else n_free)
         target = free & (free.cumsum(1) == (rank + 1)[:, None])
@@ -310,8 +311,8 @@ class BatchPlacement:
         # Chains of two moves look at W times more keys; they are tried for at most as many
         # buckets as there are free slots, which bounds their cost when the index is nearly full.
         stuck = self._move_out(needy, MOVE_DEPTH, free, moves)
-        used = self._used
-        room = ~(used.index_select(0, b1).all(1) & used.index_select(0, b2).all(1))
+        tags = self._tags
+        room = ~((tags.index_select(0, b1) != 0).all(1) & (tags.index_select(0, b2) != 0).all(1))
         return room, ~room & torch.isin(b1, stuck) & torch.isin(b2, stuck), moves
 
     def _move_out(self, buckets: torch.Tensor, depth: int, deep_limit: int, moves: list) -> torch.Tensor:
@@ -325,11 +326,11 @@ class BatchPlacement:
             Tensor[int64]: [S] the buckets none of whose keys could move.
         """
         if self.native and depth <= MOVE_KERNEL_DEPTH:
-            stuck, made = move_out_native(self._keys, self._used, self._rows, self._scores, self._segments, buckets, depth, deep_limit)
+            stuck, made = move_out_native(self._keys, self._tags, self._rows, self._scores, self._segments, buckets, depth, deep_limit)
             moves.extend(made)
             return stuck
         W = self.bucket_capacity
-        full = buckets[self._used.index_select(0, buckets).all(1)]  # [F]
+        full = buckets[(self._tags.index_select(0, buckets) != 0).all(1)]  # [F]
         F = full.numel()
         if F == 0:
             return full
@@ -337,7 +338,7 @@ class BatchPlacement:
         own = full.repeat_interleave(W)
         r1, r2 = self._buckets(residents, self._bucket_segments(own))
         alt = torch.where(r1 == own, r2, r1)  # [F * W], == own when both candidates coincide
-        free_alt = (W - self._used.index_select(0, alt).sum(1)).masked_fill_(alt == own, 0).view(F, W)
+        free_alt = (self._tags.index_select(0, alt) == 0).sum(1).masked_fill_(alt == own, 0).view(F, W)
         alt = alt.view(F, W)
         best_free = free_alt.amax(1)  # [F]
         best = (free_alt == best_free[:, None]).view(torch.uint8).argmax(1)  # [F] first such slot
@@ -352,10 +353,10 @@ class BatchPlacement:
         order, dst_bucket, rank = group_by_bucket(dst_bucket)
         fits, dst = self._free_slots(dst_bucket, rank)
         src, dst = src.index_select(0, order)[fits], dst[fits]
-        for table in (self._keys, self._rows, self._scores):
+        for table in (self._keys, self._tags, self._rows, self._scores):
             flat = table.view(-1)
             flat.scatter_(0, dst, flat.index_select(0, src))
-        self._used.view(-1).index_fill_(0, dst, True).index_fill_(0, src, False)
+        self._tags.view(-1).index_fill_(0, src, 0)
         moves.append((src, dst))
         stuck = (~can_move).nonzero().squeeze(1)  # [S] into full
         if depth > 1 and deep_limit > 0 and stuck.numel():
@@ -407,7 +408,9 @@ class BatchPlacement:
             winner = torch.zeros_like(first).index_fill_(0, by_victim.indices[first], True)
             w_rank, w_pos, loser_rank = active[winner], victim_pos[winner], victim_rank[winner]
             # The winner inherits the displaced key's slot and row id.
-            flat_keys.scatter_(0, w_pos, keys.index_select(0, w_rank))
+            w_keys = keys.index_select(0, w_rank)
+            flat_keys.scatter_(0, w_pos, w_keys)
+            self._tags.view(-1).scatter_(0, w_pos, tag_of(w_keys))
             flat_scores.scatter_(0, w_pos, scores.index_select(0, w_rank).to(flat_scores.dtype))
             pos.scatter_(0, w_rank, w_pos)
             pos.index_fill_(0, loser_rank, -1)
@@ -428,7 +431,7 @@ class BatchPlacement:
         """
         if self.native:
             pos, taken, old_keys, old_scores = evict_for_native(
-                self._keys, self._used, self._scores, self._segments, keys, scores, seg, locked_pos, self.strategy is ScoreStrategy.LFU
+                self._keys, self._tags, self._scores, self._segments, keys, scores, seg, locked_pos, self.strategy is ScoreStrategy.LFU
             )
             self._count("evictions", taken)
             self._count("inserts", taken)
@@ -438,7 +441,7 @@ class BatchPlacement:
         lock = torch.zeros(self.current_capacity(), dtype=torch.bool, device=self.device)
         lock.index_fill_(0, locked_pos, True)
         flat_keys, flat_scores = self._keys.view(-1), self._scores.view(-1)
-        flat_used = self._used.view(-1)
+        flat_tags = self._tags.view(-1)
         candidates = self._candidate_slots(keys, seg)  # [P, 2W]
         pos = torch.full_like(keys, -1)
         active = torch.arange(keys.numel(), device=self.device)
@@ -447,7 +450,7 @@ class BatchPlacement:
             cand = candidates.index_select(0, active)  # [A, 2W]
             flat = cand.view(-1)
             # An empty slot is never a victim (free slots were offered before eviction).
-            blocked = (lock.index_select(0, flat) | ~flat_used.index_select(0, flat)).view(cand.shape)
+            blocked = (lock.index_select(0, flat) | (flat_tags.index_select(0, flat) == 0)).view(cand.shape)
             masked = self._scores_at(flat).view(cand.shape).masked_fill_(blocked, _MAX_SCORE)
             victim_score = masked.amin(1)  # [A]
             # Unblocked slots holding the lowest score; "unblocked" matters when that score is
@@ -470,6 +473,7 @@ class BatchPlacement:
             w_keys, w_pos = active[winner], victim[winner]
             won.append((flat_keys.index_select(0, w_pos), self._rows_at(w_pos), self._scores_at(w_pos), w_pos))
             flat_keys.scatter_(0, w_pos, keys.index_select(0, w_keys))
+            flat_tags.scatter_(0, w_pos, tag_of(keys.index_select(0, w_keys)))
             flat_scores.scatter_(0, w_pos, scores.index_select(0, w_keys).to(flat_scores.dtype))
             lock.index_fill_(0, w_pos, True)
             pos.scatter_(0, w_keys, w_pos)

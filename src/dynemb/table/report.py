@@ -113,10 +113,10 @@ class IndexReport:
         return self._export_slots(lo, hi, chunk_size)
 
     def _export_slots(self, lo: int, hi: int, chunk_size: int) -> Iterator[tuple[torch.Tensor, ...]]:
-        keys, rows, scores, used = (t.view(-1) for t in (self._keys, self._rows, self._scores, self._used))
+        keys, rows, scores, tags = (t.view(-1) for t in (self._keys, self._rows, self._scores, self._tags))
         for start in range(lo, hi, chunk_size):
             end = min(start + chunk_size, hi)
-            at = used[start:end].nonzero().squeeze(1)
+            at = tags[start:end].nonzero().squeeze(1)
             yield (
                 keys[start:end].index_select(0, at),
                 rows[start:end].index_select(0, at).to(torch.int64),

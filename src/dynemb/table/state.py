@@ -9,6 +9,7 @@ from collections.abc import Mapping
 
 import torch
 
+from dynemb.hashing import tag_of
 from dynemb.table.geometry import SCORE_MAX, SCORE_MIN, Segments, is_doubling_of
 from dynemb.table.keys import unique_pairs
 
@@ -55,7 +56,7 @@ class IndexState:
         [S] (buckets of each segment now) and ``segment_counters`` [4, S] (inserts, evictions,
         failed_inserts, erased per segment).
         """
-        slots = self._used.view(-1).nonzero().squeeze(1)
+        slots = self._tags.view(-1).nonzero().squeeze(1)
         free = self.free_list.state()
 
         def as_tensor(value: int) -> torch.Tensor:
@@ -177,11 +178,11 @@ class IndexState:
             wide = K and (int(scores.min()) < SCORE_MIN or int(scores.max()) > SCORE_MAX)
             self._score_dtype = torch.int64 if wide else torch.int32
             tables = self._new_tables(B)
-            new_keys, new_used, new_rows, new_scores = tables
+            new_keys, new_tags, new_rows, new_scores = tables
             new_keys.view(-1).scatter_(0, slots, keys)
             new_rows.view(-1).scatter_(0, slots, rows.to(new_rows.dtype))
             new_scores.view(-1).scatter_(0, slots, scores.to(new_scores.dtype))
-            new_used.view(-1).index_fill_(0, slots, True)
+            new_tags.view(-1).scatter_(0, slots, tag_of(keys))
             self.free_list.load_state(high_water, free)
             if seg_counters is not None:
                 self._segment_stats = seg_counters.to(device).clone()

@@ -23,7 +23,7 @@ TILE = 2048
 @triton.jit
 def _locate_kernel(
     table_keys,  # [B, W] int64
-    used,  # [B, W] bool
+    used,  # [B, W] uint8 tags: 0 where empty (read as a used flag here)
     table_rows,  # [B, W] int32 or int64 (read when HAS_ROWS)
     W,
     total_buckets,
