@@ -19,7 +19,7 @@ extern "C" int64_t dyn_locate(
     const int64_t* keys,        // [N]
     const int64_t* seg, const int64_t* seg_counts, const int64_t* seg_offsets,
     int64_t n,
-    int64_t* pos,               // [N] out: flat slot, -1 where absent
+    int64_t* pos,               // [N] out: flat slot, -1 where absent (or null: not wanted)
     bool* found,                // [N] out
     const void* table_rows,     // [B, W] row ids (int32 or int64), or null
     int64_t row_bytes,          // 4 or 8
@@ -66,7 +66,7 @@ extern "C" int64_t dyn_locate(
         at = find_in_bucket(table_keys, tags, b1[i], W, k, tg[i]);
         if (at < 0) at = find_in_bucket(table_keys, tags, b2[i], W, k, tg[i]);
       }
-      pos[lo + i] = at;
+      if (pos) pos[lo + i] = at;
       found[lo + i] = at >= 0;
       if (rows_out) {
         int64_t r = -1;

@@ -49,9 +49,13 @@ def locate_native(
     keys: torch.Tensor,
     seg: torch.Tensor | None,
     table_rows: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    *,
+    slots: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """As :func:`locate_torch`, candidates computed in the kernel; also each key's row id
-    ([N] int64, -1 where absent) when ``table_rows`` ([B, W] int32 or int64) is given.
+    ([N] int64, -1 where absent) when ``table_rows`` ([B, W] int32 or int64) is given. With
+    ``slots=False`` the slots are not written and None comes back in their place (a find needs
+    the row ids only).
 
     Args:
         segments: the index's :class:`dynemb.table.geometry.Segments` (bucket counts, offsets).
@@ -64,7 +68,7 @@ def locate_native(
     keys = keys.contiguous()
     seg = None if seg is None else seg.contiguous()
     n = keys.numel()
-    pos = torch.empty(n, dtype=torch.int64)
+    pos = torch.empty(n, dtype=torch.int64) if slots else None
     found = torch.empty(n, dtype=torch.bool)
     rows = None if table_rows is None else torch.empty(n, dtype=torch.int64)
     library().dyn_locate(

@@ -325,7 +325,7 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
         flat = self._check_keys(keys)
         seg = self._check_segments(segments, flat.numel())
         if self.compiled:
-            _, found, rows = locate_native(self._keys, self._tags, self._segments, flat, seg, self._rows)
+            _, found, rows = locate_native(self._keys, self._tags, self._segments, flat, seg, self._rows, slots=False)
             return rows.view(keys.shape), found.view(keys.shape)
         pos, found = self._locate(flat, seg)
         rows = self._rows_at(pos)
