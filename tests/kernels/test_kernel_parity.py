@@ -345,20 +345,21 @@ def test_collection_dedup_on_the_compiled_sort_matches_torch_sort(case, tables):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("features", [1, 5])
 def test_bag_copy_matches_torch(dtype, features):
-    """The single-hot bag copy writes, bitwise, what the per-feature index_select writes: rows
-    strided (a store's [U, D + S] view), repeated and extreme ids, every other column left."""
+    """The single-hot bag copy writes, bitwise, what the per-feature index_select writes: rows of
+    two groups (dims 8 and 4), strided (a store's [U, D + S] view), repeated and extreme ids,
+    features given out of column order, every other column left as it was."""
     from dynemb.kernels.pool import copy_bags_native, copy_bags_torch
 
     g = torch.Generator().manual_seed(3)
-    B, U, D, S = 1000, 37, 8, 3
-    data = torch.randn(U, D + S, generator=g).to(dtype)
-    rows = data[:, :D]
-    inverse = torch.randint(0, U, (features * B,), generator=g)
-    inverse[:3] = torch.tensor([0, U - 1, U - 1])
-    cols = [2 + 11 * j for j in range(features)]
-    total = cols[-1] + D + 4
+    B, U = 1000, 37
+    groups = [torch.randn(U, 8 + 3, generator=g).to(dtype)[:, :8], torch.randn(U + 5, 4 + 1, generator=g).to(dtype)[:, :4]]
+    rows = [groups[f % 2] for f in range(features)]
+    inverses = [torch.randint(0, r.shape[0], (B,), generator=g) for r in rows]
+    inverses[0][:3] = torch.tensor([0, rows[0].shape[0] - 1, rows[0].shape[0] - 1])
+    cols = [2 + 11 * f for f in range(features)][::-1]
+    total = max(cols) + 8 + 4
     outs = [torch.full((B, total), -7.0, dtype=dtype) for _ in range(2)]
-    copy_bags_torch(outs[0], cols, rows, inverse)
-    copy_bags_native(outs[1], cols, rows, inverse)
+    copy_bags_torch(outs[0], cols, rows, inverses)
+    copy_bags_native(outs[1], cols, rows, inverses)
     assert torch.equal(outs[0], outs[1])
-    assert torch.equal(outs[1][:, cols[0] : cols[0] + D], rows.index_select(0, inverse[:B]))
+    assert torch.equal(outs[1][:, cols[0] : cols[0] + 8], rows[0].index_select(0, inverses[0]))

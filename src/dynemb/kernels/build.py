@@ -33,7 +33,7 @@ SIGNATURES = {
     "dyn_move_out": "pppipiiippppiiipppipip",
     "dyn_evict_for": "pppiiipppppipiippppi",
     "dyn_upsert_found": "pppiiippppippiipppi",
-    "dyn_copy_bags": "pipiipipii",
+    "dyn_copy_bags": "piiipppppi",
 }
 _CODES = {"p": PTR, "i": I64, "d": F64}
 

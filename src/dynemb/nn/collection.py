@@ -145,9 +145,14 @@ def dedup(
         inverse = torch.empty_like(order).scatter_(0, order, new.cumsum(0).sub_(1))
     if len(group.tables) == 1:
         return torch.zeros_like(keys), keys, inverse, counts, (order, starts)
-    seg_of_value = torch.repeat_interleave(
-        torch.tensor(group.feature_segments, device=device), torch.tensor([v.numel() for v in vals], device=device), output_size=n
-    )
+    sizes = tuple(v.numel() for v in vals)
+    cached = group.value_segments
+    if cached is not None and cached[0] == sizes and cached[1].device == device:
+        seg_of_value = cached[1]
+    else:
+        with torch.inference_mode(False):  # kept between calls: never an inference tensor
+            seg_of_value = torch.repeat_interleave(torch.tensor(group.feature_segments, device=device), torch.tensor(sizes, device=device), output_size=n)
+        group.value_segments = (sizes, seg_of_value)
     # The segment of each distinct key's first id; a key read through two tables has ids of
     # another segment in its run.
     seg_first = seg_of_value.index_select(0, order.index_select(0, starts))

@@ -50,6 +50,9 @@ class TableGroup:
         self.tables = tables  # module table indices, segment s = tables[s]
         self.features: list[int] = []  # feature indices (collections), in feature order
         self.feature_segments: list[int] = []
+        # (ids per feature, segment of each id [N]) of the last batch shape: a batch of the same
+        # shape reuses it (collection dedup).
+        self.value_segments: tuple[tuple[int, ...], torch.Tensor] | None = None
 
 
 class DynamicTables(torch.nn.Module):

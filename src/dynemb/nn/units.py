@@ -124,9 +124,14 @@ def pool(
         # Each (feature, sample)'s row copied from the group's rows into its columns: no unit
         # table, no index arrays.
         out = torch.empty(B, K * u, dtype=rows[0].dtype, device=device) if recycler is None else recycler.get("concat", (B, K * u), rows[0].dtype, device)
+        cols, sources, samples = [], [], []
         for g, (r, inv) in enumerate(zip(rows, inverses)):
-            copy_bags_native(out, [layout.cols[j] * u for j in layout.group_features[g]], r, inv)
+            for j, f in enumerate(layout.group_features[g]):
+                cols.append(layout.cols[f] * u)
+                sources.append(r)
+                samples.append(inv[j * B : (j + 1) * B])
             grads.append(_GroupGrad((consts["group_cols"][g][:, None] + sample_rows[None, :]).reshape(-1), None))
+        copy_bags_native(out, cols, sources, samples)
         return out, grads
     base = 0
     bases = []
