@@ -210,18 +210,18 @@ class DynamicTables(torch.nn.Module):
             name = self.table_names[t]
             if r.segments is None:
                 failed, evicted, evicted_sel = r.failed_keys, r.evicted_keys, None
-                total = r.keys.numel()
             else:
                 failed = r.failed_keys[r.failed_segments == s] if r.failed_keys.numel() else r.failed_keys
                 evicted_sel = (r.evicted_segments == s).nonzero().squeeze(1) if r.evicted_keys.numel() else None
                 evicted = r.evicted_keys.index_select(0, evicted_sel) if evicted_sel is not None else r.evicted_keys
-                total = int((r.segments == s).sum())
             self._failed[t], self._evicted[t] = failed, evicted
             if r.evicted is not None and evicted.numel():
                 rows = r.evicted if evicted_sel is None else {k: v.index_select(0, evicted_sel) for k, v in r.evicted.items()}
                 for fn in list(self._evict_hooks.values()):
                     fn(name, evicted, rows)
             if failed.numel() and self.table_configs[t].check_mode is not CheckMode.COUNT:
+                # The table's keys in the call (a host sync per table: only when reporting).
+                total = r.keys.numel() if r.segments is None else int((r.segments == s).sum())
                 out.append((t, failed, total))
         return out
 
