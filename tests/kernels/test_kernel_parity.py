@@ -363,3 +363,26 @@ def test_bag_copy_matches_torch(dtype, features):
     copy_bags_native(outs[1], cols, rows, inverses)
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(outs[1][:, cols[0] : cols[0] + 8], rows[0].index_select(0, inverses[0]))
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_bag_gradient_sum_matches_torch(k):
+    """The backward's per-row sums of concat-gradient slices: the compiled pass against the
+    sub-unit embedding_bag, with a hot row of many ids, rows of one id and an empty batch."""
+    from dynemb.kernels.pool import sum_bags_native, sum_bags_torch
+
+    g = torch.Generator().manual_seed(5)
+    B, K, u = 300, 9, 4
+    grad_rows = torch.randn(B * K, u, generator=g)
+    n = 700
+    first_row = torch.randint(0, B, (n,), generator=g) * K + torch.randint(0, K - k + 1, (n,), generator=g)
+    inverse = torch.cat([torch.zeros(200, dtype=torch.int64), torch.randint(1, 150, (n - 200,), generator=g)])
+    order = torch.argsort(inverse, stable=True)
+    counts = torch.bincount(inverse, minlength=150)
+    starts = counts.cumsum(0) - counts
+    want = sum_bags_torch(grad_rows, first_row, order, starts, 150, k)
+    got = sum_bags_native(grad_rows, first_row, order, starts, 150, k)
+    assert got.shape == (150, k * u)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    empty = torch.empty(0, dtype=torch.int64)
+    assert torch.equal(sum_bags_torch(grad_rows, first_row, empty, torch.zeros(0, dtype=torch.int64), 0, k), torch.zeros(0, k * u))

@@ -34,6 +34,7 @@ SIGNATURES = {
     "dyn_evict_for": "pppiiipppppipiippppi",
     "dyn_upsert_found": "pppiiippppippiipppi",
     "dyn_copy_bags": "piiipppppi",
+    "dyn_sum_bags": "pipppiiipi",
 }
 _CODES = {"p": PTR, "i": I64, "d": F64}
 

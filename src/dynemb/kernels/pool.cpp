@@ -8,6 +8,8 @@
 using namespace dynemb;
 
 static constexpr int64_t AHEAD = 4;
+// Ids whose gradient slices (every line of them) are requested ahead of the one being added.
+static constexpr int64_t SUM_AHEAD = 16;
 
 // memcpy with the usual row sizes known at compile time (inlined moves instead of a libc call
 // per row: ~100k rows a W3 batch).
@@ -41,6 +43,37 @@ extern "C" int64_t dyn_copy_bags(
       const char* src = reinterpret_cast<const char*>(srcs[f]);
       if (b + AHEAD < B) __builtin_prefetch(src + inv[b + AHEAD] * src_strides[f]);
       copy_row(row + cols[f], src + inv[b] * src_strides[f], row_bytes[f]);
+    }
+  }
+  return 0;
+}
+
+// Native twin of pool.py's sum_bags_torch: each unique row's gradient, the sum of the D-float
+// slices of the concat gradient its ids point at, added in the ids' order (the order
+// embedding_bag's sum takes). U unique rows, N ids, float32.
+extern "C" int64_t dyn_sum_bags(
+    const float* grad,         // the concat gradient as unit rows [B * K, u]
+    int64_t unit,              // u: floats per unit row
+    const int64_t* first_row,  // [N] the unit row where id n's D floats begin
+    const int64_t* order,      // [N] the ids grouped by unique row
+    const int64_t* starts,     // [U] where unique row i's ids begin in order (ids up to the next start, or N)
+    int64_t U, int64_t N, int64_t D,
+    float* out,                // [U, D] contiguous
+    int64_t nthreads) {
+  // Dynamic chunks: a hot key's row has many ids. Each row is summed by one thread, in order.
+#pragma omp parallel for schedule(dynamic, 256) num_threads(threads(nthreads, N, 8192))
+  for (int64_t i = 0; i < U; ++i) {
+    float* o = out + i * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+    const int64_t end = i + 1 < U ? starts[i + 1] : N;
+    for (int64_t t = starts[i]; t < end; ++t) {
+      // The slices of the ids a few places on (the next rows' when this one ends).
+      if (t + SUM_AHEAD < N) {
+        const char* next = reinterpret_cast<const char*>(grad + first_row[order[t + SUM_AHEAD]] * unit);
+        for (int64_t off = 0; off < D * 4; off += 64) __builtin_prefetch(next + off);
+      }
+      const float* src = grad + first_row[order[t]] * unit;
+      for (int64_t d = 0; d < D; ++d) o[d] += src[d];
     }
   }
   return 0;

@@ -1,10 +1,13 @@
 """A bag collection's single-hot outputs: each (feature, sample)'s row of its group's unique rows
-copied into the feature's columns of the concat.
+copied into the feature's columns of the concat; and backward, each unique row's gradient summed
+from the concat gradient's slices its ids point at.
 
 B samples, F features (of every group), U_g the unique rows of feature f's group, D_f its dim.
 ``copy_bags_torch`` is the plain-torch twin (one ``index_select`` and one strided copy per
 feature); ``copy_bags_native`` runs ``pool.cpp``: one parallel pass over the concat, row by row,
-with no unit table and no index arrays (docs/design/0017-pooled-units.md).
+with no unit table and no index arrays (docs/design/0017-pooled-units.md). ``sum_bags_torch`` /
+``sum_bags_native``: the backward's per-row sums, one ``embedding_bag`` over sub-units (the units
+path's own) or one compiled pass over each row's ids.
 """
 
 from __future__ import annotations
@@ -47,3 +50,36 @@ def copy_bags_native(out: torch.Tensor, cols: list[int], rows: list[torch.Tensor
         .contiguous()
     )  # [5, F]
     library().dyn_copy_bags(ptr(out), out.stride(0) * es, len(cols), B, ptr(table[0]), ptr(table[1]), ptr(table[2]), ptr(table[3]), ptr(table[4]), threads())
+
+
+def sum_bags_torch(grad_rows: torch.Tensor, first_row: torch.Tensor, order: torch.Tensor, starts: torch.Tensor, num_unique: int, k: int) -> torch.Tensor:
+    """Gradient [U, k * u] of unique rows: row i sums ``grad_rows[first_row[n] : first_row[n] + k]``
+    (k unit rows, i.e. k * u floats) over its ids n = ``order[starts[i] : starts[i + 1]]``.
+
+    Args:
+        grad_rows (Tensor): [B * K, u] the concat gradient in unit rows.
+        first_row (Tensor[int64]): [N] the unit row where each id's slice begins.
+        order (Tensor[int64]): [N] the ids grouped by unique row; starts (Tensor[int64]): [U].
+    """
+    n, u = order.numel(), grad_rows.shape[1]
+    if n == 0:
+        return grad_rows.new_zeros(num_unique, k * u)
+    src = first_row.index_select(0, order)
+    if k == 1:
+        return torch.nn.functional.embedding_bag(src, grad_rows, starts, mode="sum")
+    ar = torch.arange(k, device=grad_rows.device)
+    # Sub-unit-major: bag (t, i) sums the unit rows of unique row i's ids shifted by t.
+    idx = (src[None, :] + ar[:, None]).reshape(-1)
+    offsets = (ar[:, None] * n + starts[None, :]).reshape(-1)
+    summed = torch.nn.functional.embedding_bag(idx, grad_rows, offsets, mode="sum")  # [k * U, u]
+    return summed.view(k, num_unique, u).transpose(0, 1).reshape(num_unique, k * u)
+
+
+def sum_bags_native(grad_rows: torch.Tensor, first_row: torch.Tensor, order: torch.Tensor, starts: torch.Tensor, num_unique: int, k: int) -> torch.Tensor:
+    """:func:`sum_bags_torch` in one compiled pass (float32 CPU tensors): each row's ids added in
+    order, as ``embedding_bag``'s sum adds them."""
+    grad_rows, first_row, order, starts = (t.contiguous() for t in (grad_rows, first_row, order, starts))
+    u = grad_rows.shape[1]
+    out = torch.empty(num_unique, k * u, dtype=grad_rows.dtype)
+    library().dyn_sum_bags(ptr(grad_rows), u, ptr(first_row), ptr(order), ptr(starts), num_unique, order.numel(), k * u, ptr(out), threads())
+    return out

@@ -81,6 +81,7 @@ class _PooledUnits(torch.autograd.Function):
     def forward(ctx, trigger, owner, batch, looked):
         out, grads = owner._pool_units(batch, looked)
         ctx.layout, ctx.looked, ctx.grads = owner._units, looked, grads
+        ctx.native = all(e.device.type == "cpu" and e.index.native for e in owner.engines)
         return out
 
     @staticmethod
@@ -97,7 +98,7 @@ class _PooledUnits(torch.autograd.Function):
                 order = torch.argsort(inverse, stable=True)
                 counts = torch.bincount(inverse, minlength=num_unique)
                 starts = torch.cumsum(counts, 0).sub_(counts)
-            lookup.apply(grad_u=group_gradient(grad_rows, info, order, starts, num_unique, k, arange))
+            lookup.apply(grad_u=group_gradient(grad_rows, info, order, starts, num_unique, k, arange, ctx.native))
         return None, None, None, None
 
 
