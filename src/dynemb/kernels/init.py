@@ -37,7 +37,7 @@ def _salt_and_columns(seed: int, columns: int) -> tuple[int, torch.Tensor]:
 def init_rows_native(table: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, D: int, seed: int, low: float, high: float, state_value: float) -> None:
     """Write the per-key uniform rows of keys [n] on [low, high) (seed ``seed``) and the
     constant ``state_value`` in every state column into ``table`` ([R, D+S] float32,
-    contiguous) at ``rows`` [n]."""
+    contiguous) at ``rows`` [n] (distinct row ids, as new keys' rows always are)."""
     if table.is_cuda:
         from dynemb.kernels.gpu.init import init_rows_triton
 

@@ -242,7 +242,8 @@ class _DynamicCollection(DynamicTables):
         engine = self.engines[group.index]
         vals = [batch.values[j] for j in group.features]
         totals = [v.numel() for v in vals]
-        native = engine.device.type == "cpu" and engine.index.native
+        # The compiled sort takes CPU keys only (a collection's tables may live on several devices).
+        native = engine.device.type == "cpu" and engine.index.native and all(v.device.type == "cpu" for v in vals)
         segs, keys, inverse, counts, grouping = dedup(group, vals, engine.device, native=native, workspace=self._workspace)
         lookup = self._lookup_unique(group.index, keys, segs, counts, failures, grouping)
         if self._trains():
@@ -389,10 +390,13 @@ class DynamicEmbeddingBagCollection(_DynamicCollection):
             weights = [torch.cat([batch.weights[j] for j in g.features]) if len(g.features) > 1 else batch.weights[g.features[0]] for g in self.groups]
         units = sum(r.shape[0] * k for r, k in zip(rows, layout.group_k))
         with self._lock, writable():
-            # The unit table is scratch kept between calls (under the lock: one user at a time).
-            table = self._workspace.get("units", units, (layout.unit,), self.engines[0].dtype)
+            # The unit table is scratch kept between calls (under the lock: one user at a time),
+            # asked for only by the paths that use it.
+            dtype = self.engines[0].dtype
             native = all(e.device.type == "cpu" and e.index.native for e in self.engines)
-            return pool(layout, batch.stacked, rows, inverses, weights, table, self._recycler, native)
+            return pool(
+                layout, batch.stacked, rows, inverses, weights, lambda: self._workspace.get("units", units, (layout.unit,), dtype), self._recycler, native
+            )
 
     def _pool_by_group(self, batch: Batch, looked: list) -> PooledEmbeddings:
         """Pool each group into [F_g * B, D] and concatenate (tables of several dtypes or

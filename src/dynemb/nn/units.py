@@ -22,6 +22,7 @@ docs/design/0017-pooled-units.md.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -95,7 +96,7 @@ def pool(
     rows: list[torch.Tensor],
     inverses: list[torch.Tensor],
     weights: list[torch.Tensor | None] | None,
-    table: torch.Tensor,
+    scratch: Callable[[], torch.Tensor],
     recycler: Recycler | None = None,
     native: bool = False,
 ) -> tuple[torch.Tensor, list[_GroupGrad]]:
@@ -107,7 +108,8 @@ def pool(
         inverses: per group, the unique row of each id [N_g] (its features' ids concatenated in
             collection order).
         weights: per group, per-id weights [N_g], or None (unweighted collection).
-        table: scratch [sum_g U_g k_g, u] for the unit table.
+        scratch: returns the scratch [sum_g U_g k_g, u] for the unit table (called only on the
+            paths that build one).
         recycler: where the output's memory comes from (one id per bag), or None (fresh).
         native: one id per bag, unweighted: copy the rows with the compiled kernel
             (:func:`dynemb.kernels.pool.copy_bags_native`, CPU) instead of the unit table.
@@ -133,6 +135,7 @@ def pool(
             grads.append(_GroupGrad((consts["group_cols"][g][:, None] + sample_rows[None, :]).reshape(-1), None))
         copy_bags_native(out, cols, sources, samples)
         return out, grads
+    table = scratch()
     base = 0
     bases = []
     for r, k in zip(rows, layout.group_k):
