@@ -30,6 +30,41 @@ inline uint8_t tag_of(uint64_t mixed2) {
   return t ? t : 1;
 }
 
+inline uint8_t key_tag(int64_t key) { return tag_of(mix64(mix64(static_cast<uint64_t>(key)))); }
+
+// Entry p of an int32 or int64 table (``bytes`` 4 or 8: the index's row ids and scores).
+inline int64_t load_int(const void* table, int64_t bytes, int64_t p) {
+  return bytes == 4 ? static_cast<const int32_t*>(table)[p] : static_cast<const int64_t*>(table)[p];
+}
+
+inline void store_int(void* table, int64_t bytes, int64_t p, int64_t value) {
+  if (bytes == 4)
+    static_cast<int32_t*>(table)[p] = static_cast<int32_t>(value);
+  else
+    static_cast<int64_t*>(table)[p] = value;
+}
+
+// A key put into slot p: its key, tag and score (the row id is the caller's).
+inline void write_slot(int64_t* table_keys, uint8_t* tags, void* table_scores, int64_t score_bytes, int64_t p, int64_t key, int64_t score) {
+  table_keys[p] = key;
+  tags[p] = key_tag(key);
+  store_int(table_scores, score_bytes, p, score);
+}
+
+// Empty slots of bucket ``bucket`` (tag 0).
+inline int64_t free_in(const uint8_t* tags, int64_t bucket, int64_t W) {
+  int64_t f = 0;
+  for (int64_t j = 0; j < W; ++j) f += tags[bucket * W + j] == 0;
+  return f;
+}
+
+// Bit j set where tags[j] == t, for the 16 tags at ``tags``.
+#ifdef __SSE2__
+inline unsigned tag_mask16(const uint8_t* tags, __m128i t) {
+  return static_cast<unsigned>(_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tags)), t)));
+}
+#endif
+
 // The slot of ``key`` among bucket ``base``'s W slots (its tag ``t``), or -1: the first slot whose
 // tag and key match. A used slot always holds its key's tag, so this is the first used slot
 // holding the key; the tags (one line for 16 slots) screen the key lines.
@@ -38,11 +73,9 @@ inline int64_t find_in_bucket(const int64_t* table_keys, const uint8_t* tags, in
 #ifdef __SSE2__
   const __m128i tv = _mm_set1_epi8(static_cast<char>(t));
   for (; j + 16 <= W; j += 16) {
-    unsigned m = static_cast<unsigned>(_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tags + base + j)), tv)));
-    while (m) {
+    for (unsigned m = tag_mask16(tags + base + j, tv); m; m &= m - 1) {
       const int b = __builtin_ctz(m);
       if (table_keys[base + j + b] == key) return base + j + b;
-      m &= m - 1;
     }
   }
 #endif
@@ -58,7 +91,7 @@ inline int64_t first_tag(const uint8_t* tags, int64_t base, int64_t W, uint8_t t
 #ifdef __SSE2__
   const __m128i tv = _mm_set1_epi8(static_cast<char>(t));
   for (; j + 16 <= W; j += 16) {
-    const unsigned m = static_cast<unsigned>(_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tags + base + j)), tv)));
+    const unsigned m = tag_mask16(tags + base + j, tv);
     if (m) return base + j + __builtin_ctz(m);
   }
 #endif

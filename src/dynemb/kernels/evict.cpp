@@ -20,7 +20,7 @@ static constexpr int64_t AHEAD = 8;
 // ``taken`` the E slots taken (``old_keys`` / ``old_scores`` what they held), in the order the
 // twin reports them (round by round, each round's winners in priority order).
 extern "C" int64_t dyn_evict_for(
-    int64_t* table_keys, uint8_t* used, void* table_scores,  // [B, W]; used: the tags, 0 where empty
+    int64_t* table_keys, uint8_t* tags, void* table_scores,  // [B, W] tags: 0 where empty
     int64_t W, int64_t total_buckets, int64_t score_bytes,
     const int64_t* keys, const int64_t* scores,                 // [P]
     const int64_t* seg, const int64_t* seg_counts, const int64_t* seg_offsets,
@@ -31,9 +31,7 @@ extern "C" int64_t dyn_evict_for(
     int64_t* taken, int64_t* old_keys, int64_t* old_scores,     // [P] out: the first E entries
     int64_t nthreads) {
   Candidates cand{seg, seg_counts, seg_offsets, total_buckets};
-  auto score_at = [&](int64_t p) -> int64_t {
-    return score_bytes == 4 ? static_cast<const int32_t*>(table_scores)[p] : static_cast<const int64_t*>(table_scores)[p];
-  };
+  auto score_at = [&](int64_t p) -> int64_t { return load_int(table_scores, score_bytes, p); };
   // One byte a slot for this call (as the twin's lock tensor), one a bucket for the round's claims.
   std::vector<uint8_t> lock(total_buckets * W, 0), claimed(total_buckets, 0);
   for (int64_t i = 0; i < n_locked; ++i) lock[locked[i]] = 1;
@@ -54,7 +52,7 @@ extern "C" int64_t dyn_evict_for(
       const int64_t base = (c == 0 ? b1[i] : b2[i]) * W;
       for (int64_t j = 0; j < W; ++j) {
         const int64_t p = base + j;
-        if (!used[p] || lock[p]) continue;
+        if (!tags[p] || lock[p]) continue;
         const int64_t s = score_at(p);
         if (best < 0 || s < best_score) {
           best = p;
@@ -65,11 +63,11 @@ extern "C" int64_t dyn_evict_for(
     victim_of[i] = best;
     eligible_of[i] = best >= 0 && (lfu || scores[i] >= best_score);
   };
-  // The lines a key's pick reads in one bucket: its used flags, lock bytes and scores.
+  // The lines a key's pick reads in one bucket: its tags, lock bytes and scores.
   const char* scores_at = static_cast<const char*>(table_scores);
   auto prefetch_bucket = [&](int64_t b) {
     const int64_t base = b * W;
-    __builtin_prefetch(used + base);
+    __builtin_prefetch(tags + base);
     __builtin_prefetch(lock.data() + base);
     for (int64_t off = 0; off < W * score_bytes; off += 64) __builtin_prefetch(scores_at + base * score_bytes + off);
   };
@@ -78,7 +76,7 @@ extern "C" int64_t dyn_evict_for(
   while (n_active) {
     // The round's picks read the state as the round starts and write only their own key's
     // entries: in parallel, the buckets of a key AHEAD picks later prefetched (the picks are
-    // random reads of used flags, locks and scores, latency-bound when serial).
+    // random reads of tags, locks and scores, latency-bound when serial).
     int64_t n_look = 0;
     for (int64_t t = 0; t < n_active; ++t) {
       const int64_t i = active[t];
@@ -123,12 +121,7 @@ extern "C" int64_t dyn_evict_for(
       old_keys[e] = table_keys[p];
       old_scores[e] = score_at(p);
       ++e;
-      table_keys[p] = keys[i];
-      used[p] = tag_of(mix64(mix64(static_cast<uint64_t>(keys[i]))));
-      if (score_bytes == 4)
-        static_cast<int32_t*>(table_scores)[p] = static_cast<int32_t>(scores[i]);
-      else
-        static_cast<int64_t*>(table_scores)[p] = scores[i];
+      write_slot(table_keys, tags, table_scores, score_bytes, p, keys[i], scores[i]);
       lock[p] = 1;
       pos[i] = p;
       dirty[p / W] = 1;

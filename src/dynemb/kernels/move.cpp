@@ -15,7 +15,7 @@ namespace {
 
 struct Mover {
   int64_t* keys;
-  uint8_t* used;  // the tags: 0 where empty
+  uint8_t* tags;  // [B, W] 0 where empty, else the slot key's tag
   char* rows;
   int64_t row_bytes;
   char* scores;
@@ -26,11 +26,7 @@ struct Mover {
   const int64_t* seg_offsets;
   std::vector<int64_t> src_all, dst_all, steps;
 
-  int64_t free_in(int64_t b) const {
-    int64_t f = 0;
-    for (int64_t j = 0; j < W; ++j) f += !used[b * W + j];
-    return f;
-  }
+  int64_t free_in(int64_t b) const { return dynemb::free_in(tags, b, W); }
 
   // The other candidate of the key at a slot of bucket ``own`` (== own when both coincide).
   int64_t other(int64_t key, int64_t own) const {
@@ -82,12 +78,12 @@ struct Mover {
       const int64_t target = alt[f * W + best[f]];
       int64_t dst = -1;
       for (int64_t j = 0; j < W && dst < 0; ++j)
-        if (!used[target * W + j]) dst = target * W + j;
+        if (!tags[target * W + j]) dst = target * W + j;
       if (dst < 0) continue;
       const int64_t src = full[f] * W + best[f];
       copy_slot(src, dst);
-      used[dst] = used[src];
-      used[src] = 0;
+      tags[dst] = tags[src];
+      tags[src] = 0;
       src_all.push_back(src);
       dst_all.push_back(dst);
       ++n_moves;
@@ -126,7 +122,7 @@ struct Mover {
 // ``steps`` how many each invocation made (one entry per invocation that found a full bucket,
 // in call order, as the twin appends them), ``n_out`` [2] the number of moves and of steps.
 extern "C" int64_t dyn_move_out(
-    int64_t* table_keys, uint8_t* used, void* table_rows, int64_t row_bytes, void* table_scores, int64_t score_bytes,
+    int64_t* table_keys, uint8_t* tags, void* table_rows, int64_t row_bytes, void* table_scores, int64_t score_bytes,
     int64_t W, int64_t total_buckets,
     const int64_t* of_bucket, const int64_t* seg_counts, const int64_t* seg_offsets,
     const int64_t* buckets, int64_t q,   // [Q] distinct
@@ -136,7 +132,7 @@ extern "C" int64_t dyn_move_out(
     int64_t capacity,
     int64_t* steps, int64_t max_steps,   // out
     int64_t* n_out) {                    // [2] out
-  Mover m{table_keys, used, static_cast<char*>(table_rows), row_bytes, static_cast<char*>(table_scores), score_bytes, W, total_buckets,
+  Mover m{table_keys, tags, static_cast<char*>(table_rows), row_bytes, static_cast<char*>(table_scores), score_bytes, W, total_buckets,
           of_bucket, seg_counts, seg_offsets, {}, {}, {}};
   std::vector<int64_t> list(buckets, buckets + q);
   std::vector<int64_t> out = m.move_out(list, depth, deep_limit);

@@ -36,16 +36,10 @@ static void radix_sort_slots(int64_t* v, int64_t* buffer, int64_t n) {
   if (src != v) std::copy(src, src + n, v);
 }
 
-static inline int64_t free_in(const uint8_t* used, int64_t bucket, int64_t W) {
-  int64_t f = 0;
-  for (int64_t j = 0; j < W; ++j) f += !used[bucket * W + j];
-  return f;
-}
-
 // The lines a key's placement writes: its bucket's flags, keys and score.
-__attribute__((always_inline)) inline void prefetch_target(const int64_t* table_keys, const uint8_t* used, const char* scores, int64_t score_bytes,
+__attribute__((always_inline)) inline void prefetch_target(const int64_t* table_keys, const uint8_t* tags, const char* scores, int64_t score_bytes,
                                                            int64_t base, int64_t W) {
-  __builtin_prefetch(used + base, 1);
+  __builtin_prefetch(tags + base, 1);
   __builtin_prefetch(table_keys + base, 1);
   __builtin_prefetch(table_keys + base + W - 1, 1);
   __builtin_prefetch(scores + base * score_bytes, 1);
@@ -66,7 +60,7 @@ static constexpr int AHEAD = 8;
 // thread sorts its slots, and the ranges ascend, so the round's slots come out ascending.
 extern "C" int64_t dyn_place_free(
     int64_t* table_keys,         // [B, W]
-    uint8_t* used,               // [B, W] tags: 0 where empty, else the slot key's tag
+    uint8_t* tags,               // [B, W] tags: 0 where empty, else the slot key's tag
     void* table_scores,          // [B, W] int32 or int64
     const int64_t* keys,         // [P]
     const int64_t* scores,       // [P]
@@ -114,11 +108,11 @@ extern "C" int64_t dyn_place_free(
       // (A) Free slots of both candidates as the round starts, and the bucket each key tries.
       for (int64_t t = lo; t < hi; ++t) {
         if (t + 8 < hi) {
-          __builtin_prefetch(used + b1[todo[t + 8]] * W);
-          __builtin_prefetch(used + b2[todo[t + 8]] * W);
+          __builtin_prefetch(tags + b1[todo[t + 8]] * W);
+          __builtin_prefetch(tags + b2[todo[t + 8]] * W);
         }
         const int64_t i = todo[t];
-        const int64_t f1 = free_in(used, b1[i], W), f2 = free_in(used, b2[i], W);
+        const int64_t f1 = free_in(tags, b1[i], W), f2 = free_in(tags, b2[i], W);
         if (f1 == 0 && f2 == 0) {
           chosen[i] = -1;
           continue;
@@ -147,7 +141,7 @@ extern "C" int64_t dyn_place_free(
         while (tail - head < AHEAD && scan < n_todo) {
           const int64_t i = todo[scan++];
           if (chosen[i] < 0 || range_of(chosen[i]) != r) continue;
-          prefetch_target(table_keys, used, score_bytes_at, score_bytes, chosen[i] * W, W);
+          prefetch_target(table_keys, tags, score_bytes_at, score_bytes, chosen[i] * W, W);
           ring[tail++ % AHEAD] = i;
         }
         if (head == tail) break;
@@ -158,19 +152,14 @@ extern "C" int64_t dyn_place_free(
         // did not fit (from then on the rank is at the limit, and no later key fits either).
         int64_t slot = -1, free_now = 0;
         for (int64_t j = W - 1; j >= 0; --j) {
-          if (!used[b * W + j]) {
+          if (!tags[b * W + j]) {
             slot = b * W + j;
             ++free_now;
           }
         }
         const int64_t limit = halve ? (nfree[i] + 1) / 2 : nfree[i];
         if (nfree[i] - free_now >= limit) continue;
-        table_keys[slot] = keys[i];
-        used[slot] = tag_of(mix64(mix64(static_cast<uint64_t>(keys[i]))));
-        if (score_bytes == 4)
-          static_cast<int32_t*>(table_scores)[slot] = static_cast<int32_t>(scores[i]);
-        else
-          static_cast<int64_t*>(table_scores)[slot] = scores[i];
+        write_slot(table_keys, tags, table_scores, score_bytes, slot, keys[i], scores[i]);
         pos[i] = slot;
         my_slots[placed++] = slot;
       }

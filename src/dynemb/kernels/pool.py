@@ -52,26 +52,38 @@ def copy_bags_native(out: torch.Tensor, cols: list[int], rows: list[torch.Tensor
     library().dyn_copy_bags(ptr(out), out.stride(0) * es, len(cols), B, ptr(table[0]), ptr(table[1]), ptr(table[2]), ptr(table[3]), ptr(table[4]), threads())
 
 
-def sum_bags_torch(grad_rows: torch.Tensor, first_row: torch.Tensor, order: torch.Tensor, starts: torch.Tensor, num_unique: int, k: int) -> torch.Tensor:
+def sum_bags_torch(
+    grad_rows: torch.Tensor,
+    first_row: torch.Tensor,
+    order: torch.Tensor,
+    starts: torch.Tensor,
+    num_unique: int,
+    k: int,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Gradient [U, k * u] of unique rows: row i sums ``grad_rows[first_row[n] : first_row[n] + k]``
-    (k unit rows, i.e. k * u floats) over its ids n = ``order[starts[i] : starts[i + 1]]``.
+    (k unit rows, i.e. k * u floats) over its ids n = ``order[starts[i] : starts[i + 1]]``, each
+    times ``scale[n]`` if given.
 
     Args:
         grad_rows (Tensor): [B * K, u] the concat gradient in unit rows.
         first_row (Tensor[int64]): [N] the unit row where each id's slice begins.
         order (Tensor[int64]): [N] the ids grouped by unique row; starts (Tensor[int64]): [U].
+        scale (Tensor | None): [N] per-id factor (bag weights, mean divisors), or None.
     """
     n, u = order.numel(), grad_rows.shape[1]
     if n == 0:
         return grad_rows.new_zeros(num_unique, k * u)
     src = first_row.index_select(0, order)
+    psw = None if scale is None else scale.index_select(0, order)
     if k == 1:
-        return torch.nn.functional.embedding_bag(src, grad_rows, starts, mode="sum")
+        return torch.nn.functional.embedding_bag(src, grad_rows, starts, mode="sum", per_sample_weights=psw)
     ar = torch.arange(k, device=grad_rows.device)
     # Sub-unit-major: bag (t, i) sums the unit rows of unique row i's ids shifted by t.
     idx = (src[None, :] + ar[:, None]).reshape(-1)
     offsets = (ar[:, None] * n + starts[None, :]).reshape(-1)
-    summed = torch.nn.functional.embedding_bag(idx, grad_rows, offsets, mode="sum")  # [k * U, u]
+    psw = None if psw is None else psw.repeat(k)
+    summed = torch.nn.functional.embedding_bag(idx, grad_rows, offsets, mode="sum", per_sample_weights=psw)  # [k * U, u]
     return summed.view(k, num_unique, u).transpose(0, 1).reshape(num_unique, k * u)
 
 

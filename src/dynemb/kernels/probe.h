@@ -1,5 +1,4 @@
-// The probe of upsert.cpp (locate.cpp's dyn_locate is the same pipeline, with the row ids read
-// in it): the slot of each key of a block, the first used match among its first candidate
+// The probe of locate.cpp and upsert.cpp: the slot of each key of a block, the first used match among its first candidate
 // bucket's W slots, then its second's. Three stages over the block: the tag lines of key
 // i + 2 * PROBE_AHEAD's buckets are requested; key i + PROBE_AHEAD's first slot with its tag is
 // found and that slot's key line (and optionally a third table's entry) requested; key i is

@@ -9,10 +9,6 @@ using namespace dynemb;
 
 static constexpr int64_t AHEAD = 16;
 
-static inline int64_t load_row(const void* rows, int64_t row_bytes, int64_t p) {
-  return row_bytes == 4 ? static_cast<const int32_t*>(rows)[p] : static_cast<const int64_t*>(rows)[p];
-}
-
 extern "C" int64_t dyn_rows_at(
     const void* table_rows,  // [B * W]
     int64_t row_bytes,
@@ -30,7 +26,7 @@ extern "C" int64_t dyn_rows_at(
       if (pos[i] >= 0) __builtin_prefetch(base + pos[i] * row_bytes);
     for (int64_t i = lo; i < hi; ++i) {
       if (i + AHEAD < hi && pos[i + AHEAD] >= 0) __builtin_prefetch(base + pos[i + AHEAD] * row_bytes);
-      out[i] = pos[i] >= 0 ? load_row(table_rows, row_bytes, pos[i]) : -1;
+      out[i] = pos[i] >= 0 ? load_int(table_rows, row_bytes, pos[i]) : -1;
     }
   }
   return 0;
@@ -52,10 +48,7 @@ extern "C" int64_t dyn_rows_put(
     for (int64_t i = lo; i < lo + AHEAD && i < hi; ++i) __builtin_prefetch(base + pos[i] * row_bytes, 1);
     for (int64_t i = lo; i < hi; ++i) {
       if (i + AHEAD < hi) __builtin_prefetch(base + pos[i + AHEAD] * row_bytes, 1);
-      if (row_bytes == 4)
-        static_cast<int32_t*>(table_rows)[pos[i]] = static_cast<int32_t>(ids[i]);
-      else
-        static_cast<int64_t*>(table_rows)[pos[i]] = ids[i];
+      store_int(table_rows, row_bytes, pos[i], ids[i]);
     }
   }
   return 0;

@@ -34,9 +34,7 @@ extern "C" int64_t dyn_upsert_found(
     int64_t* pos, bool* found,     // [U] out
     int64_t* missing,              // [U] out: the first M entries
     int64_t nthreads) {
-  auto stored = [&](int64_t p) -> int64_t {
-    return score_bytes == 4 ? static_cast<const int32_t*>(table_scores)[p] : static_cast<const int64_t*>(table_scores)[p];
-  };
+  auto stored = [&](int64_t p) -> int64_t { return load_int(table_scores, score_bytes, p); };
   if (!lfu_add) {
     // Every score written is one of the batch's: check they fit before the probe, then write
     // the found keys' scores in the probe's parallel blocks (distinct keys, distinct slots).
@@ -54,11 +52,7 @@ extern "C" int64_t dyn_upsert_found(
       probe_block(table_keys, tags, W, cand, keys + lo, lo, len, at, scores, score_bytes);
       for (int64_t i = 0; i < len; ++i) {
         found[lo + i] = at[i] >= 0;
-        if (at[i] < 0) continue;
-        if (score_bytes == 4)
-          static_cast<int32_t*>(table_scores)[at[i]] = static_cast<int32_t>(batch_scores[lo + i]);
-        else
-          static_cast<int64_t*>(table_scores)[at[i]] = batch_scores[lo + i];
+        if (at[i] >= 0) store_int(table_scores, score_bytes, at[i], batch_scores[lo + i]);
       }
     }
     int64_t m = 0;
@@ -92,11 +86,7 @@ extern "C" int64_t dyn_upsert_found(
       missing[m++] = i;
       continue;
     }
-    const int64_t s = new_score(i);
-    if (score_bytes == 4)
-      static_cast<int32_t*>(table_scores)[pos[i]] = static_cast<int32_t>(s);
-    else
-      static_cast<int64_t*>(table_scores)[pos[i]] = s;
+    store_int(table_scores, score_bytes, pos[i], new_score(i));
   }
   if (!uniform)
     std::stable_sort(missing, missing + m, [&](int64_t a, int64_t b) { return batch_scores[a] > batch_scores[b]; });

@@ -81,14 +81,13 @@ class _PooledUnits(torch.autograd.Function):
     def forward(ctx, trigger, owner, batch, looked):
         out, grads = owner._pool_units(batch, looked)
         ctx.layout, ctx.looked, ctx.grads = owner._units, looked, grads
-        ctx.native = all(e.device.type == "cpu" and e.index.native for e in owner.engines)
+        ctx.native = owner._compiled_cpu()
         return out
 
     @staticmethod
     def backward(ctx, grad):
         layout = ctx.layout
         grad_rows = grad.contiguous().view(-1, layout.unit)  # [B * K, u]
-        arange = layout.on(grad.device)["arange"]
         for (lookup, inverse, _totals), info, k in zip(ctx.looked, ctx.grads, layout.group_k):
             num_unique = lookup.keys.numel()
             if lookup.grouping is not None:
@@ -98,7 +97,7 @@ class _PooledUnits(torch.autograd.Function):
                 order = torch.argsort(inverse, stable=True)
                 counts = torch.bincount(inverse, minlength=num_unique)
                 starts = torch.cumsum(counts, 0).sub_(counts)
-            lookup.apply(grad_u=group_gradient(grad_rows, info, order, starts, num_unique, k, arange, ctx.native))
+            lookup.apply(grad_u=group_gradient(grad_rows, info, order, starts, num_unique, k, ctx.native))
         return None, None, None, None
 
 
@@ -377,6 +376,10 @@ class DynamicEmbeddingBagCollection(_DynamicCollection):
             return PooledEmbeddings(concat, self.feature_names, self.feature_dims)
         return self._pool_by_group(batch, looked)
 
+    def _compiled_cpu(self) -> bool:
+        """Whether every group runs the compiled CPU kernels (the units path's copy and sums)."""
+        return all(e.device.type == "cpu" and e.index.native for e in self.engines)
+
     def _pool_units(self, batch: Batch, looked: list):
         """The concat [B, sum D_f] through :func:`dynemb.nn.units.pool`, and each group's
         backward info."""
@@ -393,7 +396,7 @@ class DynamicEmbeddingBagCollection(_DynamicCollection):
             # The unit table is scratch kept between calls (under the lock: one user at a time),
             # asked for only by the paths that use it.
             dtype = self.engines[0].dtype
-            native = all(e.device.type == "cpu" and e.index.native for e in self.engines)
+            native = self._compiled_cpu()
             return pool(
                 layout, batch.stacked, rows, inverses, weights, lambda: self._workspace.get("units", units, (layout.unit,), dtype), self._recycler, native
             )

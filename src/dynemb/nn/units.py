@@ -217,29 +217,12 @@ def group_gradient(
     starts: torch.Tensor,
     num_unique: int,
     k: int,
-    arange: torch.Tensor,
     native: bool = False,
 ) -> torch.Tensor:
     """Gradient [U_g, D_g] of a group's unique rows from the concat gradient in unit rows
     [B * K, u]; ``order`` [N_g] lists the ids by unique row, ``starts`` [U_g] where each row's
     ids begin. ``native``: unweighted float32 on CPU summed by the compiled kernel
     (:func:`dynemb.kernels.pool.sum_bags_native`, the ids in the same order)."""
-    n, u = order.numel(), grad_rows.shape[1]
-    if n == 0:
-        return grad_rows.new_zeros(num_unique, k * u)
-    if info.scale is None:
-        if native and grad_rows.dtype == torch.float32 and grad_rows.device.type == "cpu":
-            return sum_bags_native(grad_rows, info.first_row, order, starts, num_unique, k)
-        return sum_bags_torch(grad_rows, info.first_row, order, starts, num_unique, k)
-    # Weighted (or mean) bags: the same sums with a scale per id.
-    src = info.first_row.index_select(0, order)
-    scale = info.scale.index_select(0, order)
-    if k == 1:
-        return F.embedding_bag(src, grad_rows, starts, mode="sum", per_sample_weights=scale)
-    ar = arange[:k]
-    # Sub-unit-major: bag (t, i) sums the rows of unique row i's ids shifted by t.
-    idx = (src[None, :] + ar[:, None]).reshape(-1)
-    offsets = (ar[:, None] * n + starts[None, :]).reshape(-1)
-    psw = scale.repeat(k)
-    summed = F.embedding_bag(idx, grad_rows, offsets, mode="sum", per_sample_weights=psw)  # [k * U_g, u]
-    return summed.view(k, num_unique, u).transpose(0, 1).reshape(num_unique, k * u)
+    if native and info.scale is None and grad_rows.dtype == torch.float32 and grad_rows.device.type == "cpu":
+        return sum_bags_native(grad_rows, info.first_row, order, starts, num_unique, k)
+    return sum_bags_torch(grad_rows, info.first_row, order, starts, num_unique, k, info.scale)
