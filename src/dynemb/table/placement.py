@@ -86,71 +86,98 @@ class BatchPlacement:
         new_seg = None if seg is None else seg.index_select(0, missing)
         if self._grow_before(missing.numel(), new_seg):
             pos, _ = self._locate(unique, seg)
-        new_pos = torch.full_like(missing, -1)  # [M] slot of each new key once placed
-        waiting = torch.ones_like(missing, dtype=torch.bool)  # [M] not placed yet
-        # New keys for which moving residents may still free a slot: a key none of whose
-        # buckets' keys could move is not tried again in this call.
-        hopeful = torch.ones_like(missing, dtype=torch.bool)  # [M]
-        pending = to_place = torch.arange(missing.numel(), device=self.device)  # ranks into missing
-        # Each pass places at least one more key, or rules keys out of displacement, or improves
-        # the priority of the placed ones (_displace), or ends. The host syncs per pass (sizes of
-        # masked selections) are what lets the loop stop as soon as every key is placed.
-        while to_place.numel():
-            placed, placed_pos = self._place_free(new_keys.index_select(0, to_place), new_scores.index_select(0, to_place), _pick(new_seg, to_place))
-            done = to_place[placed]
-            new_pos.scatter_(0, done, placed_pos[placed])
-            waiting.index_fill_(0, done, False)
+        pending = missing  # ranks into missing of the keys not placed yet (none when every key was found)
+        if missing.numel():
+            # The first placement pass places every key in the common case (room in its buckets).
+            placed, new_pos = self._place_free(new_keys, new_scores, new_seg)  # [M] each; new_pos: slot once placed, -1 before
+            waiting = ~placed  # [M] not placed yet
             pending = waiting.nonzero().squeeze(1)
-            if pending.numel() == 0:
-                break
-            if self._grow_for(_pick(new_seg, pending)):
-                # Growth moved every key: find the batch's keys again.
-                pos, _ = self._locate(unique, seg)
-                new_pos = torch.where(waiting, -1, pos.index_select(0, missing))
-                to_place = pending
-                continue
-            to_place = pending[:0]
-            while to_place.numel() == 0:
-                # No more than the free slots can be filled: trying a few times as many keys
-                # at once bounds the cost of displacement when the index is nearly full.
-                tried = pending[hopeful.index_select(0, pending)][: 4 * (self.current_capacity() - self._size)]
-                if tried.numel() == 0:
-                    break
-                room, stuck, moves = self._make_room(new_keys.index_select(0, tried), _pick(new_seg, tried))
-                hopeful.index_fill_(0, tried[stuck], False)
-                pos, new_pos = _follow(pos, moves), _follow(new_pos, moves)
-                to_place = tried[room]
-                if to_place.numel() * GIVE_UP < tried.numel():
-                    # Few keys got room: the free slots left are hard to reach. Stop trying in
-                    # this call, so that a nearly full index does not spend many passes per call.
-                    hopeful.zero_()
-            if to_place.numel():
-                continue
-            # Full: keys that found no free slot take slots of lower-priority keys of the batch;
-            # displaced keys go round again (their other bucket may have room).
-            pending, displaced = self._displace(new_keys, new_scores, pending, new_pos, new_seg)
-            if not displaced:
-                break
-            waiting.zero_().index_fill_(0, pending, True)
-            to_place = pending
-        pos = pos.index_copy(0, missing, new_pos)
+            if pending.numel():
+                pos, new_pos, pending = self._place_rest(unique, seg, missing, new_keys, new_scores, new_seg, pos, new_pos, waiting, pending)
+            pos = pos.index_copy(0, missing, new_pos)
 
         evicted = (torch.empty(0, dtype=torch.int64, device=self.device),) * 4
         if pending.numel() and self.strategy is not ScoreStrategy.NO_EVICTION:
             victim_pos, *evicted = self._evict_for(new_keys[pending], new_scores[pending], pos[pos >= 0], _pick(new_seg, pending))
             pos.scatter_(0, missing[pending], victim_pos)
         *evicted, taken = evicted
-        ok = pos >= 0
         rows = self._rows_at(pos)
-        failed_keys = unique[~ok]
+        if pending.numel():
+            ok = pos >= 0
+            failed_keys = unique[~ok]
+        else:  # every key found or placed: no host sync for the (empty) failures
+            ok, failed_keys = None, unique[:0]
         failed_seg = evicted_seg = None
         if seg is not None:
-            failed_seg, evicted_seg = seg[~ok], self._bucket_segments(taken // self.bucket_capacity)
+            failed_seg, evicted_seg = seg[:0] if ok is None else seg[~ok], self._bucket_segments(taken // self.bucket_capacity)
         elif self.segmented:
             # One segment, placed without segment tensors: every key is segment 0's.
             failed_seg, evicted_seg = torch.zeros_like(failed_keys), torch.zeros_like(taken)
         self._count("failed_inserts", seg=failed_seg, n=failed_keys.numel())
-        return IndexResult(pos, rows, found, ok & ~found, *evicted, failed_keys, evicted_seg, failed_seg)
+        inserted = ~found if ok is None else ok & ~found
+        return IndexResult(pos, rows, found, inserted, *evicted, failed_keys, evicted_seg, failed_seg)
+
+    def _place_rest(
+        self,
+        unique: torch.Tensor,
+        seg: torch.Tensor | None,
+        missing: torch.Tensor,
+        new_keys: torch.Tensor,
+        new_scores: torch.Tensor,
+        new_seg: torch.Tensor | None,
+        pos: torch.Tensor,
+        new_pos: torch.Tensor,
+        waiting: torch.Tensor,
+        pending: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The passes after the first: growth, cuckoo moves and displacement for the P keys the
+        first pass left ``pending`` (ranks into ``missing``, P > 0; ``waiting`` [M] marks them).
+
+        Returns pos [U] (slots of the found keys, moved where residents moved), new_pos [M] and
+        the ranks still pending (for eviction)."""
+        # New keys for which moving residents may still free a slot: a key none of whose
+        # buckets' keys could move is not tried again in this call.
+        hopeful = torch.ones_like(missing, dtype=torch.bool)  # [M]
+        # Each pass places at least one more key, or rules keys out of displacement, or improves
+        # the priority of the placed ones (_displace), or ends. The host syncs per pass (sizes of
+        # masked selections) are what lets the loop stop as soon as every key is placed.
+        while True:
+            if self._grow_for(_pick(new_seg, pending)):
+                # Growth moved every key: find the batch's keys again.
+                pos, _ = self._locate(unique, seg)
+                new_pos = torch.where(waiting, -1, pos.index_select(0, missing))
+                to_place = pending
+            else:
+                to_place = pending[:0]
+                while to_place.numel() == 0:
+                    # No more than the free slots can be filled: trying a few times as many keys
+                    # at once bounds the cost of displacement when the index is nearly full.
+                    tried = pending[hopeful.index_select(0, pending)][: 4 * (self.current_capacity() - self._size)]
+                    if tried.numel() == 0:
+                        break
+                    room, stuck, moves = self._make_room(new_keys.index_select(0, tried), _pick(new_seg, tried))
+                    hopeful.index_fill_(0, tried[stuck], False)
+                    pos, new_pos = _follow(pos, moves), _follow(new_pos, moves)
+                    to_place = tried[room]
+                    if to_place.numel() * GIVE_UP < tried.numel():
+                        # Few keys got room: the free slots left are hard to reach. Stop trying in
+                        # this call, so that a nearly full index does not spend many passes per call.
+                        hopeful.zero_()
+                if to_place.numel() == 0:
+                    # Full: keys that found no free slot take slots of lower-priority keys of the
+                    # batch; displaced keys go round again (their other bucket may have room).
+                    pending, displaced = self._displace(new_keys, new_scores, pending, new_pos, new_seg)
+                    if not displaced:
+                        return pos, new_pos, pending
+                    waiting.zero_().index_fill_(0, pending, True)
+                    to_place = pending
+            placed, placed_pos = self._place_free(new_keys.index_select(0, to_place), new_scores.index_select(0, to_place), _pick(new_seg, to_place))
+            done = to_place[placed]
+            new_pos.scatter_(0, done, placed_pos[placed])
+            waiting.index_fill_(0, done, False)
+            pending = waiting.nonzero().squeeze(1)
+            if pending.numel() == 0:
+                return pos, new_pos, pending
 
     def _found_and_missing(
         self, unique: torch.Tensor, counts: torch.Tensor, batch_scores: torch.Tensor, lfu_add: bool, uniform: bool, seg: torch.Tensor | None
