@@ -35,7 +35,8 @@ MOVE_DEPTH = 2
 # Displacement stops for the rest of a call after a pass that made room for fewer than one key
 # in GIVE_UP of those it tried.
 GIVE_UP = 8
-_CLOCKED = (ScoreStrategy.TIMESTAMP, ScoreStrategy.STEP, ScoreStrategy.NO_EVICTION)
+# Strategies that score every key of a call with the call's clock.
+CLOCKED = (ScoreStrategy.TIMESTAMP, ScoreStrategy.STEP, ScoreStrategy.NO_EVICTION)
 
 
 def group_by_bucket(bucket: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -71,22 +72,34 @@ class BatchPlacement:
     """The placement steps of :class:`dynemb.table.index.KeyIndex` (a mixin: it reads and
     writes the index's tensors ``_keys``, ``_tags``, ``_rows``, ``_scores``)."""
 
-    def _upsert(self, unique: torch.Tensor, counts: torch.Tensor, batch_scores: torch.Tensor, own: bool, seg: torch.Tensor | None = None) -> IndexResult:
+    def _upsert(
+        self, unique: torch.Tensor, counts: torch.Tensor, batch_scores: torch.Tensor, own: bool, seg: torch.Tensor | None = None, distinct: bool = True
+    ) -> IndexResult:
         """upsert_unique after argument checks; ``own``: the scores are the strategy's (not given);
-        ``seg``: [U] segment of each key (segmented indexes)."""
+        ``seg``: [U] segment of each key (segmented indexes). ``distinct=False`` (own clocked
+        scores only): ``unique`` may repeat keys; the probe takes them all and only the missing
+        ones are de-duplicated, so a call whose keys are mostly present skips sorting them all
+        (0040). The result is then over the keys as given."""
         lfu_add = own and self.strategy is ScoreStrategy.LFU
         # With one clock value for every key, priority order is already that of the keys.
-        uniform = own and self.strategy in _CLOCKED
+        uniform = own and self.strategy in CLOCKED
+        if not (distinct or uniform):
+            raise AssertionError("repeated keys are probed as they come only under one clock value")
         if self.native:
             pos, found, missing = self._found_and_missing_native(unique, counts, batch_scores, lfu_add, uniform, seg)
         else:
             pos, found, missing = self._found_and_missing(unique, counts, batch_scores, lfu_add, uniform, seg)
-        new_keys = unique.index_select(0, missing)
+        occurrences, spread = missing, None  # with repeated keys: [M'] every missing key's place, [M'] its rank
+        if distinct or missing.numel() == 0:
+            new_keys, new_seg = unique.index_select(0, missing), _pick(seg, missing)
+        else:
+            # The distinct missing keys in ascending order: the priority order of one clock value.
+            new_keys, new_seg, spread, _ = self._dedup(unique.index_select(0, missing), _pick(seg, missing))
+            missing = torch.empty_like(new_keys).scatter_(0, spread, occurrences)  # [M] one place of each
         new_scores = batch_scores.index_select(0, missing)
-        new_seg = None if seg is None else seg.index_select(0, missing)
         if self._grow_before(missing.numel(), new_seg):
             pos, _ = self._locate(unique, seg)
-        pending = missing  # ranks into missing of the keys not placed yet (none when every key was found)
+        pending = new_pos = missing  # [M] ranks not placed yet and slots (none when every key was found)
         if missing.numel():
             # The first placement pass places every key in the common case (room in its buckets).
             placed, new_pos = self._place_free(new_keys, new_scores, new_seg)  # [M] each; new_pos: slot once placed, -1 before
@@ -94,22 +107,28 @@ class BatchPlacement:
             pending = waiting.nonzero().squeeze(1)
             if pending.numel():
                 pos, new_pos, pending = self._place_rest(unique, seg, missing, new_keys, new_scores, new_seg, pos, new_pos, waiting, pending)
-            pos = pos.index_copy(0, missing, new_pos)
 
         evicted = (torch.empty(0, dtype=torch.int64, device=self.device),) * 4
         if pending.numel() and self.strategy is not ScoreStrategy.NO_EVICTION:
-            victim_pos, *evicted = self._evict_for(new_keys[pending], new_scores[pending], pos[pos >= 0], _pick(new_seg, pending))
-            pos.scatter_(0, missing[pending], victim_pos)
+            # The batch's keys, found or placed, are never victims.
+            held = pos.index_copy(0, missing, new_pos)
+            victim_pos, *evicted = self._evict_for(new_keys[pending], new_scores[pending], held[held >= 0], _pick(new_seg, pending))
+            new_pos.scatter_(0, pending, victim_pos)
+        if missing.numel():
+            pos = pos.index_copy(0, occurrences, new_pos if spread is None else new_pos.index_select(0, spread))
         *evicted, taken = evicted
         rows = self._rows_at(pos)
+        ok, failed_keys, failed_seg = None, unique[:0], _pick(seg, missing[:0])  # every key found or placed: no host sync
         if pending.numel():
             ok = pos >= 0
-            failed_keys = unique[~ok]
-        else:  # every key found or placed: no host sync for the (empty) failures
-            ok, failed_keys = None, unique[:0]
-        failed_seg = evicted_seg = None
+            if spread is None:
+                failed_keys, failed_seg = unique[~ok], None if seg is None else seg[~ok]
+            else:  # each failed key once, in key order as from distinct keys
+                failed = new_pos < 0
+                failed_keys, failed_seg = new_keys[failed], None if new_seg is None else new_seg[failed]
+        evicted_seg = None
         if seg is not None:
-            failed_seg, evicted_seg = seg[:0] if ok is None else seg[~ok], self._bucket_segments(taken // self.bucket_capacity)
+            evicted_seg = self._bucket_segments(taken // self.bucket_capacity)
         elif self.segmented:
             # One segment, placed without segment tensors: every key is segment 0's.
             failed_seg, evicted_seg = torch.zeros_like(failed_keys), torch.zeros_like(taken)
