@@ -9,7 +9,7 @@ import torch
 
 from dynemb.hashing import candidate_buckets, tag_of
 from dynemb.kernels import uses_native
-from dynemb.kernels.dedup import dedup, dedup_native, dedup_torch
+from dynemb.kernels.dedup import dedup, dedup_native, dedup_torch, sort_unique_native
 from dynemb.kernels.locate import locate_native, locate_torch
 from dynemb.table.index import KeyIndex
 from dynemb.workspace import Workspace
@@ -322,6 +322,18 @@ def test_sort_dedup_matches_torch_unique_on_large_batches(case):
     unique, _, inverse, counts, order = dedup_native(keys, grouping=True, workspace=Workspace("cpu"))
     assert_same((unique, inverse, counts), torch.unique(keys, sorted=True, return_inverse=True, return_counts=True))
     assert torch.equal(order, torch.sort(inverse, stable=True).indices)
+    # Segments label the keys: each distinct key's first input's segment, or None as soon as one
+    # key is read through two segments (one mixed run among many, at the start, middle or end).
+    starts = counts.cumsum(0) - counts
+    label = keys.remainder(3)
+    got = sort_unique_native(keys, grouping=True, segments=label)
+    assert_same((got[0], got[2], got[3], got[4]), (unique, inverse, counts, order))
+    assert torch.equal(got[1], label.index_select(0, order.index_select(0, starts)))
+    repeated = order.index_select(0, starts.index_select(0, (counts > 1).nonzero().squeeze(1)))
+    for at in (repeated[0], repeated[repeated.numel() // 2], repeated[-1]):
+        mixed = label.clone()
+        mixed[order[(inverse[at] == inverse[order]).nonzero().squeeze(1)[-1]]] += 1  # the run's last input
+        assert sort_unique_native(keys, grouping=True, segments=mixed)[1] is None
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])

@@ -24,7 +24,7 @@ SIGNATURES = {
     "dyn_locate": "ppiippppipppipi",
     "dyn_place_free": "pppppiiipppipppipi",
     "dyn_dedup": "pippppppipi",
-    "dyn_sort_unique": "pipppppi",
+    "dyn_sort_unique": "pippppppppi",
     "dyn_rows_at": "pipipi",
     "dyn_rows_put": "pippii",
     "dyn_rows_update": "pippiiiiddddddpi",

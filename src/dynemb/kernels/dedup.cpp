@@ -156,6 +156,9 @@ extern "C" int64_t dyn_sort_unique(
     int64_t* counts,      // [N] out (first U used)
     int64_t* order,       // [N] out or null: input indices grouped by key, each group in input order
     int64_t* scratch,     // [2N] the sorted (key, index) pairs
+    const int64_t* seg,   // [N] or null: the segment (table) of each input
+    int64_t* useg,        // [N] out with seg (first U used): the segment of each key's first input
+    int64_t* mixed,       // [1] out with seg: 1 when some key's inputs lie in several segments, else 0
     int64_t nthreads) {
   if (n == 0) return 0;
   const int nt = threads(nthreads, n, 16384);
@@ -207,6 +210,7 @@ extern "C" int64_t dyn_sort_unique(
   }
   // Group starts: chunk c counts its keys that differ from their predecessor, then fills in.
   std::vector<int64_t> first_group(nt + 1, 0);
+  int64_t any_mixed = 0;  // written only as 1, by any thread
 #pragma omp parallel num_threads(nt)
   {
     const int t = omp_get_thread_num();
@@ -218,15 +222,21 @@ extern "C" int64_t dyn_sort_unique(
 #pragma omp single
     for (int u = 0; u < nt; ++u) first_group[u + 1] += first_group[u];
     int64_t g = first_group[t] - 1;
+    bool mine_mixed = false;
     for (int64_t i = a; i < b; ++i) {
       if (i == 0 || pairs[i].key != pairs[i - 1].key) {
         unique[++g] = pairs[i].key;
         counts[g] = i;  // the group's first position; turned into its count below
+        if (seg) useg[g] = seg[pairs[i].idx];
+      } else if (seg && seg[pairs[i].idx] != seg[pairs[i - 1].idx]) {
+        mine_mixed = true;  // one key read through two segments: equal neighbours, all the run's
       }
       inverse[pairs[i].idx] = g;
       if (order) order[i] = pairs[i].idx;
     }
+    if (mine_mixed) any_mixed = 1;
   }
+  if (seg) *mixed = any_mixed;
   const int64_t u = first_group[nt];
   for (int64_t g = 0; g < u; ++g) counts[g] = (g + 1 < u ? counts[g + 1] : n) - counts[g];
   return u;

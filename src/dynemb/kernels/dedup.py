@@ -85,11 +85,16 @@ def dedup_native(
 
 
 def sort_unique_native(
-    keys: torch.Tensor, *, grouping: bool = False, workspace=None
-) -> tuple[torch.Tensor, None, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    keys: torch.Tensor, *, grouping: bool = False, workspace=None, segments: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """:func:`dedup_native` of keys without segments by ``dyn_sort_unique`` (a parallel sort:
     one most-significant-digit pass, then small sorts), bitwise ``torch.unique(sorted=True,
-    return_inverse=True, return_counts=True)``; ``workspace`` keeps its [2N] scratch."""
+    return_inverse=True, return_counts=True)``; ``workspace`` keeps its [2N] scratch.
+
+    ``segments`` ([N] int64, the table each key is read through) only labels the keys: the
+    second output is then the segment of each distinct key's first input ([U], as
+    ``segments[order[starts]]``), or None when some key's inputs lie in several segments (the
+    caller then forms (segment, key) pairs). Without ``segments`` it is None."""
     keys = keys.contiguous()
     n = keys.numel()
     unique = torch.empty(n, dtype=torch.int64)
@@ -97,8 +102,16 @@ def sort_unique_native(
     counts = torch.empty(n, dtype=torch.int64)
     order = torch.empty(n, dtype=torch.int64) if grouping else None
     scratch = torch.empty(2 * n, dtype=torch.int64) if workspace is None else workspace.get("sort_unique", 2 * n, (), torch.int64)
-    u = library().dyn_sort_unique(ptr(keys), n, ptr(unique), ptr(inverse), ptr(counts), ptr(order), ptr(scratch), threads())
-    return unique[:u], None, inverse, counts[:u], order
+    useg = mixed = None
+    if segments is not None:
+        segments = segments.contiguous()
+        useg, mixed = torch.empty(n, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    u = library().dyn_sort_unique(
+        ptr(keys), n, ptr(unique), ptr(inverse), ptr(counts), ptr(order), ptr(scratch), ptr(segments), ptr(useg), ptr(mixed), threads()
+    )
+    if useg is not None:
+        useg = None if int(mixed) else useg[:u]
+    return unique[:u], useg, inverse, counts[:u], order
 
 
 def dedup(

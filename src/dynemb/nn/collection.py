@@ -131,9 +131,22 @@ def dedup(
     (:func:`unique_pairs`), sorted by segment, then key, and the grouping is None."""
     values = torch.cat(vals) if len(vals) > 1 else vals[0]
     n = values.numel()
+    seg_of_value = None
+    if len(group.tables) > 1:
+        sizes = tuple(v.numel() for v in vals)
+        cached = group.value_segments
+        if cached is not None and cached[0] == sizes and cached[1].device == device:
+            seg_of_value = cached[1]
+        else:
+            with torch.inference_mode(False):  # kept between calls: never an inference tensor
+                seg_of_value = torch.repeat_interleave(torch.tensor(group.feature_segments, device=device), torch.tensor(sizes, device=device), output_size=n)
+            group.value_segments = (sizes, seg_of_value)
     if native:
-        keys, _, inverse, counts, order = sort_unique_native(values, grouping=True, workspace=workspace)
+        # The kernel also labels each distinct key with its first id's segment, and says
+        # (seg_first None) when a key is read through two tables.
+        keys, seg_first, inverse, counts, order = sort_unique_native(values, grouping=True, workspace=workspace, segments=seg_of_value)
         starts = counts.cumsum(0).sub_(counts)
+        mixed = seg_of_value is not None and seg_first is None
     else:
         sorted_values, order = torch.sort(values, stable=True)
         new = torch.ones(n, dtype=torch.bool, device=device)
@@ -143,20 +156,15 @@ def dedup(
         keys = sorted_values.index_select(0, starts)
         counts = torch.diff(starts, append=starts.new_tensor([n]))
         inverse = torch.empty_like(order).scatter_(0, order, new.cumsum(0).sub_(1))
-    if len(group.tables) == 1:
+        seg_first = mixed = None
+        if seg_of_value is not None:
+            # The segment of each distinct key's first id; a key read through two tables has ids
+            # of another segment in its run.
+            seg_first = seg_of_value.index_select(0, order.index_select(0, starts))
+            mixed = n > 1 and bool((seg_of_value != seg_first.index_select(0, inverse)).any())
+    if seg_of_value is None:
         return torch.zeros_like(keys), keys, inverse, counts, (order, starts)
-    sizes = tuple(v.numel() for v in vals)
-    cached = group.value_segments
-    if cached is not None and cached[0] == sizes and cached[1].device == device:
-        seg_of_value = cached[1]
-    else:
-        with torch.inference_mode(False):  # kept between calls: never an inference tensor
-            seg_of_value = torch.repeat_interleave(torch.tensor(group.feature_segments, device=device), torch.tensor(sizes, device=device), output_size=n)
-        group.value_segments = (sizes, seg_of_value)
-    # The segment of each distinct key's first id; a key read through two tables has ids of
-    # another segment in its run.
-    seg_first = seg_of_value.index_select(0, order.index_select(0, starts))
-    if n > 1 and bool((seg_of_value != seg_first.index_select(0, inverse)).any()):
+    if mixed:
         (segments, keys), inverse, counts = unique_pairs(seg_of_value, values)
         return segments, keys, inverse, counts, None
     return seg_first, keys, inverse, counts, (order, starts)

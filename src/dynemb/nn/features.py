@@ -22,6 +22,7 @@ def parse_features(features, feature_names: list[str], device: torch.device, *, 
     """Check a collection's input (a KeyedJaggedTensor, duck-typed, or a dict ``feature ->
     (values, lengths[, weights])``) and split it per feature, in ``feature_names`` order; raises
     ValueError / TypeError naming the feature. ``pooled`` / ``weighted``: the collection's kind."""
+    kjt = None
     if isinstance(features, Mapping):
         per = {}
         for f, item in features.items():
@@ -39,6 +40,8 @@ def parse_features(features, feature_names: list[str], device: torch.device, *, 
             raise ValueError(f"KeyedJaggedTensor: lengths of shape {tuple(lengths.shape)} do not split into {len(names)} features")
         per_feature = lengths.view(len(names), -1) if names else lengths.view(0, 0)
         totals = per_feature.sum(1).tolist()
+        # Already the [F, B] lengths and their sums when the features come in the collection's order.
+        kjt = (per_feature, totals)
         if sum(totals) != values.numel():
             raise ValueError(f"KeyedJaggedTensor: lengths sum to {sum(totals)} but values has {values.numel()} entries")
         vs = torch.split(values, totals)
@@ -68,7 +71,7 @@ def parse_features(features, feature_names: list[str], device: torch.device, *, 
             raise ValueError(
                 f"feature {f!r}: {ln.numel()} lengths, but feature {first!r} has {batch} (one length per sample; variable batch sizes are not supported)"
             )
-        ln = ln.to(torch.int64)
+        ln = ln if ln.dtype is torch.int64 else ln.to(torch.int64)
         if w is not None:
             if not pooled or not weighted:
                 raise ValueError(f"feature {f!r}: weights given to an unweighted collection (build it with is_weighted=True)")
@@ -76,16 +79,19 @@ def parse_features(features, feature_names: list[str], device: torch.device, *, 
                 raise ValueError(f"feature {f!r}: weights must be a float tensor shaped like values {tuple(v.shape)} on {device}, got {_describe(w)}")
         elif pooled and weighted:
             raise ValueError(f"feature {f!r}: no weights, but the collection is weighted (is_weighted=True)")
-        out_v.append(v.to(torch.int64))
+        out_v.append(v if v.dtype is torch.int64 else v.to(torch.int64))
         out_l.append(ln)
         out_w.append(w)
     if batch:
         # Every feature's lengths at once (one reduction each instead of one per feature).
-        stacked = torch.stack(out_l)  # [F, B]
-        negative = (stacked < 0).any(1)
-        if bool(negative.any()):
+        if kjt is not None and names == list(feature_names) and kjt[0].dtype == torch.int64:
+            stacked, sums = kjt  # [F, B], the rows of out_l; the values were split by these sums
+        else:
+            stacked, sums = torch.stack(out_l), None
+        if bool((stacked < 0).any()):
+            negative = (stacked < 0).any(1)
             raise ValueError(f"feature {feature_names[int(negative.nonzero()[0])]!r}: lengths must be >= 0")
-        for f, total, v in zip(feature_names, stacked.sum(1).tolist(), out_v):
+        for f, total, v in zip(feature_names, stacked.sum(1).tolist() if sums is None else sums, out_v):
             if total != v.numel():
                 raise ValueError(f"feature {f!r}: lengths sum to {total} but values has {v.numel()} entries")
     else:

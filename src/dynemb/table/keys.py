@@ -39,8 +39,10 @@ def check_segments(segments: torch.Tensor | None, n: int, num_segments: int, dev
     seg = check_keys(segments, "segments", device)
     if seg.numel() != n:
         raise ValueError(f"segments has {seg.numel()} values for {n} keys")
-    if seg.numel() and not bool(((seg >= 0) & (seg < num_segments)).all()):
-        raise ValueError(f"segments: must lie in [0, {num_segments}), got values in [{int(seg.min())}, {int(seg.max())}]")
+    if seg.numel():
+        low, high = torch.stack(torch.aminmax(seg)).tolist()  # one pass, one host sync
+        if low < 0 or high >= num_segments:
+            raise ValueError(f"segments: must lie in [0, {num_segments}), got values in [{low}, {high}]")
     return seg if num_segments > 1 else None
 
 
