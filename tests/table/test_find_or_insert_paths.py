@@ -39,6 +39,7 @@ def assert_same(a: KeyIndex, b: KeyIndex, x: IndexResult, y: IndexResult) -> Non
         u, v = getattr(a, name), getattr(b, name)
         assert u.dtype == v.dtype and torch.equal(u, v), name
     assert a.size() == b.size() and a.counters() == b.counters()
+    assert all(a.counters(s) == b.counters(s) for s in range(a.num_segments))
     assert a.free_list.high_water == b.free_list.high_water and torch.equal(a.free_list.state()["free"], b.free_list.state()["free"])
 
 

@@ -22,7 +22,7 @@ I64, PTR, F64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
 # d a double. The C side returns int64 (a count or 0) from every function.
 SIGNATURES = {
     "dyn_locate": "ppiippppipppipi",
-    "dyn_place_free": "pppppiiipppipppipi",
+    "dyn_place_free": "pppppiiipppipppippi",
     "dyn_dedup": "pippppppipi",
     "dyn_sort_unique": "pippppppppi",
     "dyn_rows_at": "pipipi",

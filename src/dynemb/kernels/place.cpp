@@ -73,6 +73,7 @@ extern "C" int64_t dyn_place_free(
     int64_t* rounds,             // [MAX_ROUNDS] out: slots taken in each round (0 after the last)
     int64_t* scratch,            // [7P] the caller's reused buffer
     int64_t cap,                 // its size, at least 7P
+    int64_t* seg_placed,         // [S] or null (with seg): each segment's placed keys are added
     int64_t nthreads) {
   for (int r = 0; r < MAX_ROUNDS; ++r) rounds[r] = 0;
   if (n == 0) return 0;
@@ -188,5 +189,8 @@ extern "C" int64_t dyn_place_free(
     if (one_round(true, false) == 0) break;
   if (n_todo) one_round(false, false);
   if (n_todo) one_round(false, true);
+  if (seg && seg_placed)
+    for (int64_t i = 0; i < n; ++i)
+      if (pos[i] >= 0) ++seg_placed[seg[i]];
   return n_placed;
 }

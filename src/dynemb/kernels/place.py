@@ -27,6 +27,7 @@ def place_free_native(
     scores: torch.Tensor,
     seg: torch.Tensor | None,
     workspace,
+    per_segment: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Write keys and scores into free slots (in place) and say where.
 
@@ -37,6 +38,8 @@ def place_free_native(
         keys, scores (Tensor[int64]): [P]; scores already fit ``table_scores``' dtype.
         seg (Tensor[int64] | None): [P] segment of each key.
         workspace: a :class:`dynemb.workspace.Workspace` for the kernel's [7P] scratch.
+        per_segment (Tensor[int64] | None): [S] with ``seg``: each segment's placed keys are
+            added to it (the index's counters, without mapping slots back to segments).
     Returns:
         pos (Tensor[int64]): [P] slot taken, -1 where not placed.
         order (Tensor[int64]): [M] the M slots taken, in the order row ids are handed out
@@ -69,6 +72,7 @@ def place_free_native(
         ptr(rounds),
         ptr(workspace.get("place", cap, (), torch.int64)),
         cap,
+        ptr(per_segment) if seg is not None else None,
         threads(),
     )
     return pos, order[:m], [r for r in rounds.tolist() if r]

@@ -285,8 +285,8 @@ class Engine:
             if self.tiered:
                 # Before the new rows are written: they land in the tier they move to.
                 touch_resolved(self.index, self.store, sub, r.rows, sub_seg)
-            if init_rows and bool(r.inserted.any()):
-                new = r.inserted.nonzero().squeeze(1)
+            new = r.inserted.nonzero().squeeze(1) if init_rows else None  # one host sync
+            if new is not None and new.numel():
                 rows, new_keys, new_segs = r.rows.index_select(0, new), sub.index_select(0, new), _select(sub_seg, new)
                 if not init_rows_in_place(self, rows, new_keys, new_segs):
                     self.store.scatter(rows, self.new_rows(new_keys, new_segs))

@@ -128,7 +128,7 @@ class BatchPlacement:
                 failed_keys, failed_seg = new_keys[failed], None if new_seg is None else new_seg[failed]
         evicted_seg = None
         if seg is not None:
-            evicted_seg = self._bucket_segments(taken // self.bucket_capacity)
+            evicted_seg = self._bucket_segments(taken // self.bucket_capacity) if taken.numel() else taken
         elif self.segmented:
             # One segment, placed without segment tensors: every key is segment 0's.
             failed_seg, evicted_seg = torch.zeros_like(failed_keys), torch.zeros_like(taken)
@@ -249,12 +249,12 @@ class BatchPlacement:
             placed (Tensor[bool]): [P]
             pos (Tensor[int64]): [P] slot taken, meaningful where placed.
         """
-        placed = torch.zeros_like(keys, dtype=torch.bool)
-        pos = torch.full_like(keys, -1)
         if self._size == self.current_capacity():
-            return placed, pos
+            return torch.zeros_like(keys, dtype=torch.bool), torch.full_like(keys, -1)
         if self.native:
             return self._place_free_native(keys, scores, seg)
+        placed = torch.zeros_like(keys, dtype=torch.bool)
+        pos = torch.full_like(keys, -1)
         b1, b2 = self._buckets(keys, seg)
         # Ties between equally free candidates go by a bit of the buckets, not always to bucket 1.
         tie_second = ((b1 ^ b2) & 1).bool()
@@ -287,13 +287,15 @@ class BatchPlacement:
 
     def _place_free_native(self, keys: torch.Tensor, scores: torch.Tensor, seg: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_place_free` by the compiled kernel (same slots, same row ids)."""
-        pos, order, rounds = place_free_native(self._keys, self._tags, self._scores, self._segments, keys, scores, seg, self._workspace)
+        # The kernel counts each segment's placed keys (no slot -> segment mapping afterwards).
+        per_segment = None if seg is None else torch.zeros(self.num_segments, dtype=torch.int64)
+        pos, order, rounds = place_free_native(self._keys, self._tags, self._scores, self._segments, keys, scores, seg, self._workspace, per_segment)
         # One free-list call per round, as _fill makes: the row ids each slot gets match.
         ids = [self.free_list.allocate(n) for n in rounds]
         if ids:
             put_rows_native(self._rows, order, ids[0] if len(ids) == 1 else torch.cat(ids))
         self._size += order.numel()
-        self._count("inserts", order)
+        self._count("inserts", order, per_segment=per_segment)
         return pos >= 0, pos
 
     def _fill(self, keys: torch.Tensor, scores: torch.Tensor, bucket: torch.Tensor, halve: bool) -> tuple[torch.Tensor, torch.Tensor]:

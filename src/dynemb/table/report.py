@@ -64,8 +64,11 @@ class IndexReport:
                 self._stats[name] += after - before
             self._segment_stats[:, s] = torch.tensor(values, dtype=torch.int64, device=self.device)
 
-    def _count(self, name: str, positions: torch.Tensor | None = None, seg: torch.Tensor | None = None, n: int | None = None) -> None:
-        """Add to counter ``name`` the keys at flat ``positions`` (or of segments ``seg``, or ``n``)."""
+    def _count(
+        self, name: str, positions: torch.Tensor | None = None, seg: torch.Tensor | None = None, n: int | None = None, per_segment: torch.Tensor | None = None
+    ) -> None:
+        """Add to counter ``name`` the keys at flat ``positions`` (or of segments ``seg``, or ``n``);
+        ``per_segment`` ([S] int64), when given, is how many of them each segment holds."""
         k = (positions if positions is not None else seg).numel() if n is None else n
         if name in self._stats:
             self._stats[name] += k
@@ -79,10 +82,13 @@ class IndexReport:
         if self.num_segments == 1:
             self._segment_stats[row, 0] += k
             return
-        if positions is not None:
-            seg = self._bucket_segments(positions // self.bucket_capacity)
-        if seg is not None and seg.numel():
+        if per_segment is None:
+            if positions is not None:
+                seg = self._bucket_segments(positions // self.bucket_capacity)
+            if seg is None or seg.numel() == 0:
+                return
             per_segment = torch.bincount(seg, minlength=self.num_segments)
+        if k:
             self._segment_stats[row] += per_segment
             # Inserts add keys; evictions (counted with the insert that took the slot) and erases remove them.
             if name == "inserts":
