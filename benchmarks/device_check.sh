@@ -23,7 +23,7 @@ git rev-parse --short HEAD 2>/dev/null || true
 PYTEST=(python3 -m pytest -q -o addopts= -p no:cacheprovider --timeout=300)
 python3 -c "import pytest_timeout" 2>/dev/null || PYTEST=(python3 -m pytest -q -o addopts= -p no:cacheprovider)
 # The CUDA-marked tests live in these files (the TorchRec ones need torchrec, absent there).
-CUDA_FILES=$(grep -l "pytest.mark.cuda\|cuda" tests/nn/*.py tests/storage/*.py tests/table/*.py tests/kernels/test_backend.py tests/test_import.py)
+CUDA_FILES=$(grep -l cuda tests/nn/*.py tests/storage/*.py tests/table/*.py tests/kernels/test_backend.py tests/test_import.py)
 
 step "Triton parity, compiled"
 "${PYTEST[@]}" tests/kernels/test_triton_parity.py 2>&1 | tee "$OUT/parity.log" || status=1

@@ -72,7 +72,7 @@ def place_free_native(
         ptr(rounds),
         ptr(workspace.get("place", cap, (), torch.int64)),
         cap,
-        ptr(per_segment) if seg is not None else None,
+        ptr(per_segment),
         threads(),
     )
     return pos, order[:m], [r for r in rounds.tolist() if r]
