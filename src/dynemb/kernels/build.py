@@ -32,7 +32,7 @@ SIGNATURES = {
     "dyn_candidates": "ppppiippi",
     "dyn_move_out": "pppipiiippppiiipppipip",
     "dyn_evict_for": "pppiiipppppipiippppi",
-    "dyn_upsert_found": "pppiiippppippiipppi",
+    "dyn_upsert_found": "pppiiippppippiippppipi",
     "dyn_copy_bags": "piiipppppi",
     "dyn_sum_bags": "pipppiiipi",
 }

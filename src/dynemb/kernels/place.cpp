@@ -80,7 +80,7 @@ extern "C" int64_t dyn_place_free(
   if (cap < 7 * n) return -1;
   Candidates cand{seg, seg_counts, seg_offsets, total_buckets};
   int64_t *b1 = scratch, *b2 = b1 + n, *chosen = b2 + n, *nfree = chosen + n, *todo = nfree + n, *slots = todo + n, *sort_buffer = slots + n;
-  int nt = threads(nthreads, n, 4096);
+  int nt = threads(nthreads, n, 2048);
   if (nt > MAX_PLACE_THREADS) nt = MAX_PLACE_THREADS;
 #pragma omp parallel for schedule(static) num_threads(nt)
   for (int64_t i = 0; i < n; ++i) {
@@ -97,7 +97,7 @@ extern "C" int64_t dyn_place_free(
   auto one_round = [&](bool halve, bool other) -> int64_t {
     std::fill(own, own + MAX_PLACE_THREADS * MAX_PLACE_THREADS, 0);
     int rt = 1;  // the threads the round got: bucket ranges and shares of the keys
-#pragma omp parallel num_threads(n_todo >= 4096 ? nt : 1)
+#pragma omp parallel num_threads(n_todo >= 2048 ? nt : 1)
     {
       const int a = omp_get_thread_num();
 #pragma omp single
