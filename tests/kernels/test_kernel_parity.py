@@ -312,6 +312,30 @@ def test_cuckoo_moves_on_both_backends_same_slots(monkeypatch):
     )
 
 
+@pytest.mark.parametrize("m", [1, 7, 300, 40_000])
+def test_follow_matches_torch(m):
+    # Positions through steps of moves: -1, slot 0, huge slots, positions equal to moved slots,
+    # a chain (a slot moved in one step moved again in the next) and an empty step.
+    from dynemb.kernels.move import follow_native, follow_torch
+
+    g = torch.Generator().manual_seed(m)
+    src = torch.randperm(1 << 20, generator=g)[: 2 * m] * 4096  # distinct, up to ~2^32
+    src[0] = 0
+    step1, step2 = src[:m], src[m:]
+    dst1 = step2[torch.randperm(m, generator=g)]  # every destination of step 1 moves again
+    dst2 = torch.randint(0, 1 << 40, (m,), generator=g)
+    positions = torch.randint(0, 1 << 32, (70_000,), generator=g)
+    positions[::3] = step1[torch.randint(0, m, (positions[::3].numel(),), generator=g)]
+    positions[1::5] = step2[torch.randint(0, m, (positions[1::5].numel(),), generator=g)]
+    positions[::11] = -1
+    positions[7] = 0
+    moves = [(step1, dst1), (step1[:0], dst1[:0]), (step2, dst2)]
+    want = follow_torch(positions, moves)
+    assert torch.equal(follow_native(positions, moves), want)
+    assert torch.equal(follow_native(positions[:5], moves), want[:5])  # one thread
+    assert (want != positions).sum() > positions.numel() // 3  # the moves reached the positions
+
+
 @pytest.mark.parametrize("case", ["random", "skewed", "narrow", "extremes"])
 def test_sort_dedup_matches_torch_unique_on_large_batches(case):
     # Large enough for both threads, many most-significant-digit buckets and the recursive

@@ -31,6 +31,7 @@ SIGNATURES = {
     "dyn_init_rows": "pippiiipdddi",
     "dyn_candidates": "ppppiippi",
     "dyn_move_out": "pppipiiippppiiipppipip",
+    "dyn_follow": "pipppi",
     "dyn_evict_for": "pppiiipppppipiippppi",
     "dyn_upsert_found": "pppiiippppippiippppipi",
     "dyn_copy_bags": "piiipppppi",

@@ -146,3 +146,40 @@ extern "C" int64_t dyn_move_out(
   n_out[1] = n_steps;
   return static_cast<int64_t>(out.size());
 }
+
+// Positions after one step of moves (follow_torch's loop body): each position equal to a moved
+// slot src[k] becomes dst[k]; the others, and -1, stay. ``src`` are distinct slots (>= 0); they
+// go into an open-addressing table of at least 2m entries, each position is looked up there
+// when a bit set of the moved slots' hashes (about 64 bits a move) says it may be one of them.
+extern "C" int64_t dyn_follow(int64_t* positions, int64_t n, const int64_t* src, const int64_t* dst, int64_t m, int64_t nthreads) {
+  if (m == 0 || n == 0) return 0;
+  int64_t size = 1;
+  while (size < 2 * m) size <<= 1;
+  const int64_t mask = size - 1, bit_mask = 32 * size - 1;
+  std::vector<int64_t> from(size, -1), to(size);
+  std::vector<uint64_t> bits(size / 2, 0);
+  for (int64_t k = 0; k < m; ++k) {
+    const uint64_t x = mix64(static_cast<uint64_t>(src[k]));
+    const int64_t b = static_cast<int64_t>(x >> 32) & bit_mask;
+    bits[b >> 6] |= uint64_t(1) << (b & 63);
+    int64_t h = static_cast<int64_t>(x & mask);
+    while (from[h] >= 0 && from[h] != src[k]) h = (h + 1) & mask;
+    from[h] = src[k];
+    to[h] = dst[k];
+  }
+#pragma omp parallel for schedule(static) num_threads(threads(nthreads, n, 16384))
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t p = positions[i];
+    if (p < 0) continue;
+    const uint64_t x = mix64(static_cast<uint64_t>(p));
+    const int64_t b = static_cast<int64_t>(x >> 32) & bit_mask;
+    if (!((bits[b >> 6] >> (b & 63)) & 1)) continue;
+    for (int64_t h = static_cast<int64_t>(x & mask); from[h] >= 0; h = (h + 1) & mask) {
+      if (from[h] == p) {
+        positions[i] = to[h];
+        break;
+      }
+    }
+  }
+  return 0;
+}

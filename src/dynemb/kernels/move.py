@@ -3,13 +3,17 @@ other candidate bucket, recursively up to a depth (docs/design/0006).
 
 The plain-torch twin is ``BatchPlacement._move_out`` (:mod:`dynemb.table.placement`);
 ``move_out_native`` runs ``move.cpp`` and makes the same moves in the same order.
+
+Slots known before the moves (the batch's found keys, the new keys placed) follow them:
+``follow_torch`` (a sort and a binary search per step) and ``follow_native`` (``dyn_follow``: a
+small hash table of the moved slots per step, each position looked up once) give the same slots.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dynemb.kernels import library, ptr
+from dynemb.kernels import library, ptr, threads
 
 # The deepest chain the kernel's output bounds cover (the index's MOVE_DEPTH).
 MAX_DEPTH = 2
@@ -78,3 +82,26 @@ def move_out_native(
         moves.append((src[start : start + n], dst[start : start + n]))
         start += n
     return stuck[:s], moves
+
+
+def follow_torch(positions: torch.Tensor, moves: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Flat slots after keys moved: each step's (from, to) slots ([m] each, from distinct)
+    applied in order to positions ([n], -1 for none); returns a new [n] tensor."""
+    for src, dst in moves:
+        if src.numel() == 0:
+            continue
+        by_src = torch.sort(src)
+        at = torch.searchsorted(by_src.values, positions).clamp_(max=src.numel() - 1)
+        hit = by_src.values.index_select(0, at) == positions
+        positions = torch.where(hit, dst.index_select(0, by_src.indices.index_select(0, at)), positions)
+    return positions
+
+
+def follow_native(positions: torch.Tensor, moves: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """:func:`follow_torch` by ``dyn_follow``, one call a step (bitwise the same)."""
+    out = positions.clone(memory_format=torch.contiguous_format)
+    for src, dst in moves:
+        if src.numel():
+            src, dst = src.contiguous(), dst.contiguous()
+            library().dyn_follow(ptr(out), out.numel(), ptr(src), ptr(dst), src.numel(), threads())
+    return out

@@ -21,7 +21,7 @@ import torch
 from dynemb.hashing import tag_of
 from dynemb.kernels.evict import evict_for_native
 from dynemb.kernels.move import MAX_DEPTH as MOVE_KERNEL_DEPTH
-from dynemb.kernels.move import move_out_native
+from dynemb.kernels.move import follow_native, follow_torch, move_out_native
 from dynemb.kernels.place import place_free_native
 from dynemb.kernels.rows import put_rows_native
 from dynemb.kernels.upsert import found_and_missing_native
@@ -53,19 +53,6 @@ def group_by_bucket(bucket: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 def _pick(values: torch.Tensor | None, at: torch.Tensor) -> torch.Tensor | None:
     """values[at] ([n] -> [m]), or None when there are no values (an index of one segment)."""
     return None if values is None else values.index_select(0, at)
-
-
-def _follow(positions: torch.Tensor, moves: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Flat slots after keys moved: each step's (from, to) slots ([m] each, distinct) applied in
-    order to positions ([n], -1 for none); returns [n]."""
-    for src, dst in moves:
-        if src.numel() == 0:
-            continue
-        by_src = torch.sort(src)
-        at = torch.searchsorted(by_src.values, positions).clamp_(max=src.numel() - 1)
-        hit = by_src.values.index_select(0, at) == positions
-        positions = torch.where(hit, dst.index_select(0, by_src.indices.index_select(0, at)), positions)
-    return positions
 
 
 class BatchPlacement:
@@ -182,7 +169,8 @@ class BatchPlacement:
                         break
                     room, stuck, moves = self._make_room(new_keys.index_select(0, tried), _pick(new_seg, tried))
                     hopeful.index_fill_(0, tried[stuck], False)
-                    pos, new_pos = _follow(pos, moves), _follow(new_pos, moves)
+                    follow = follow_native if self.native else follow_torch
+                    pos, new_pos = follow(pos, moves), follow(new_pos, moves)
                     to_place = tried[room]
                     if to_place.numel() * GIVE_UP < tried.numel():
                         # Few keys got room: the free slots left are hard to reach. Stop trying in
@@ -355,7 +343,7 @@ class BatchPlacement:
             stuck (Tensor[bool]): [P] no key of either of its buckets could move (another try
                 in this call would fail too).
             moves: (from, to) flat slots of the keys moved, one pair of tensors per step, in
-                the order applied (see :func:`_follow`).
+                the order applied (see :func:`dynemb.kernels.move.follow_torch`).
         """
         moves: list[tuple[torch.Tensor, torch.Tensor]] = []
         free = self.current_capacity() - self._size
