@@ -33,7 +33,7 @@ SIGNATURES = {
     "dyn_move_out": "pppipiiippppiiipppipip",
     "dyn_follow": "pipppi",
     "dyn_evict_for": "pppiiipppppipiippppi",
-    "dyn_upsert_found": "pppiiippppippiippppipi",
+    "dyn_upsert_found": "pppiiippppippiipppi",
     "dyn_copy_bags": "piiipppppi",
     "dyn_sum_bags": "pipppiiipi",
 }

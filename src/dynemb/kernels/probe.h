@@ -20,12 +20,11 @@ static constexpr int64_t PROBE_AHEAD = 12;
 static constexpr int64_t PROBE_BLOCK = 256;
 
 // at[i]: the flat slot of keys[i] for i in [0, len) (len <= PROBE_BLOCK), -1 where absent;
-// key i of the block is key ``first + i`` of the call (for its segment). ``also`` and ``also2``
-// (or null): [B, W] tables of ``also_bytes`` / ``also2_bytes`` per slot (row ids, scores) whose
-// entries the caller reads or writes at the found slots next: prefetched with the key line.
+// key i of the block is key ``first + i`` of the call (for its segment). ``also`` (or null):
+// a [B, W] table of ``also_bytes`` per slot (row ids, scores) whose entries the caller reads or
+// writes at the found slots next: prefetched with the key line.
 inline void probe_block(const int64_t* table_keys, const uint8_t* tags, int64_t W, const Candidates& cand, const int64_t* keys, int64_t first,
-                        int64_t len, int64_t* at, const char* also = nullptr, int64_t also_bytes = 0, const char* also2 = nullptr,
-                        int64_t also2_bytes = 0) {
+                        int64_t len, int64_t* at, const char* also = nullptr, int64_t also_bytes = 0) {
   int64_t b1[PROBE_BLOCK], b2[PROBE_BLOCK];
   uint8_t tg[PROBE_BLOCK];
   for (int64_t i = 0; i < len; ++i) {
@@ -48,7 +47,6 @@ inline void probe_block(const int64_t* table_keys, const uint8_t* tags, int64_t 
       if (s >= 0) {
         __builtin_prefetch(table_keys + s);
         if (also) __builtin_prefetch(also + s * also_bytes);
-        if (also2) __builtin_prefetch(also2 + s * also2_bytes);
       }
     }
     const int64_t i = step - 2 * PROBE_AHEAD;

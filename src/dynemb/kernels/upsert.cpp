@@ -1,7 +1,6 @@
 // Native twin of upsert.py's found_and_missing_torch: the first part of an upsert of U distinct
 // keys: locate them, give the found keys this call's score (lfu: the saturating sum), and list
-// the missing ones in priority order (higher score first, ties in key order); optionally the found
-// keys' row ids, read in the same probe. B buckets, W slots.
+// the missing ones in priority order (higher score first, ties in key order). B buckets, W slots.
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -34,9 +33,6 @@ extern "C" int64_t dyn_upsert_found(
     int64_t uniform,               // every key has the same score: priority = key order
     int64_t* pos, bool* found,     // [U] out
     int64_t* missing,              // [U] out: the first M entries
-    const void* table_rows,        // [B, W] row ids (int32 or int64), or null
-    int64_t row_bytes,             // 4 or 8
-    int64_t* rows_out,             // [U] out (with table_rows): the found keys' row ids, -1 where missing
     int64_t nthreads) {
   auto stored = [&](int64_t p) -> int64_t { return load_int(table_scores, score_bytes, p); };
   if (!lfu_add) {
@@ -52,12 +48,11 @@ extern "C" int64_t dyn_upsert_found(
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const int64_t lo = blk * PROBE_BLOCK, len = lo + PROBE_BLOCK < n ? PROBE_BLOCK : n - lo;
       int64_t* at = pos + lo;
-      // The score (and row id) line of each key's likely slot is requested with its key line.
-      probe_block(table_keys, tags, W, cand, keys + lo, lo, len, at, scores, score_bytes, static_cast<const char*>(table_rows), row_bytes);
+      // The score line of each key's likely slot is requested with its key line.
+      probe_block(table_keys, tags, W, cand, keys + lo, lo, len, at, scores, score_bytes);
       for (int64_t i = 0; i < len; ++i) {
         found[lo + i] = at[i] >= 0;
         if (at[i] >= 0) store_int(table_scores, score_bytes, at[i], batch_scores[lo + i]);
-        if (rows_out) rows_out[lo + i] = at[i] >= 0 ? load_int(table_rows, row_bytes, at[i]) : -1;
       }
     }
     int64_t m = 0;
@@ -67,7 +62,7 @@ extern "C" int64_t dyn_upsert_found(
       std::stable_sort(missing, missing + m, [&](int64_t a, int64_t b) { return batch_scores[a] > batch_scores[b]; });
     return m;
   }
-  dyn_locate(table_keys, tags, W, total_buckets, keys, seg, seg_counts, seg_offsets, n, pos, found, table_rows, row_bytes, rows_out, nthreads);
+  dyn_locate(table_keys, tags, W, total_buckets, keys, seg, seg_counts, seg_offsets, n, pos, found, nullptr, 0, nullptr, nthreads);
   auto new_score = [&](int64_t i) -> int64_t {
     const int64_t old = stored(pos[i]), add = counts[i];
     return old > I64_MAX - add ? I64_MAX : old + add;

@@ -4,10 +4,7 @@ keys in priority order (higher score first, ties in key order; key order alone w
 has the same score).
 
 The plain-torch twin is ``BatchPlacement._found_and_missing`` (:mod:`dynemb.table.placement`);
-``found_and_missing_native`` runs ``upsert.cpp`` and gives the same slots, scores and order. It
-also reads the found keys' row ids in the same probe (their lines requested with the key's),
-which the twin leaves to ``rows_at_torch`` of the final slots: a key found stays found, and
-keeps its row id, whatever the rest of the upsert moves.
+``found_and_missing_native`` runs ``upsert.cpp`` and gives the same slots, scores and order.
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ def found_and_missing_native(
     table_keys: torch.Tensor,
     tags: torch.Tensor,
     table_scores: torch.Tensor,
-    table_rows: torch.Tensor,
     segments,
     keys: torch.Tensor,
     seg: torch.Tensor | None,
@@ -29,15 +25,13 @@ def found_and_missing_native(
     counts: torch.Tensor,
     lfu_add: bool,
     uniform: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Returns pos [U] (-1 where missing), found [U], missing [M] (indices into keys) and rows
-    [U] (the found keys' row ids, -1 where missing); None when a score of this call does not
-    fit ``table_scores``' int32 (then nothing was written).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Returns pos [U] (-1 where missing), found [U] and missing [M] (indices into keys); None
+    when a score of this call does not fit ``table_scores``' int32 (then nothing was written).
 
     Args:
         table_keys (Tensor[int64]), tags (Tensor[uint8], 0 where empty), table_scores (Tensor[int32|int64]):
             [B, W] the index's slots; the found keys' scores are written in place.
-        table_rows (Tensor[int32|int64]): [B, W] the index's row ids (read).
         segments: the index's :class:`dynemb.table.geometry.Segments`.
         keys (Tensor[int64]): [U] distinct; seg (Tensor[int64] | None): [U] their segments.
         batch_scores, counts (Tensor[int64]): [U] this call's score and count of each key.
@@ -48,7 +42,6 @@ def found_and_missing_native(
     pos = torch.empty(n, dtype=torch.int64)
     found = torch.empty(n, dtype=torch.bool)
     missing = torch.empty(n, dtype=torch.int64)
-    rows = torch.empty(n, dtype=torch.int64)
     m = library().dyn_upsert_found(
         ptr(table_keys),
         ptr(tags),
@@ -68,9 +61,6 @@ def found_and_missing_native(
         ptr(pos),
         ptr(found),
         ptr(missing),
-        ptr(table_rows),
-        table_rows.element_size(),
-        ptr(rows),
         threads(),
     )
-    return None if m < 0 else (pos, found, missing[:m], rows)
+    return None if m < 0 else (pos, found, missing[:m])

@@ -72,9 +72,8 @@ class BatchPlacement:
         uniform = own and self.strategy in CLOCKED
         if not (distinct or uniform):
             raise AssertionError("repeated keys are probed as they come only under one clock value")
-        found_rows = None  # [U] the found keys' row ids, from the native probe (-1 where missing)
         if self.native:
-            pos, found, missing, found_rows = self._found_and_missing_native(unique, counts, batch_scores, lfu_add, uniform, seg)
+            pos, found, missing = self._found_and_missing_native(unique, counts, batch_scores, lfu_add, uniform, seg)
         else:
             pos, found, missing = self._found_and_missing(unique, counts, batch_scores, lfu_add, uniform, seg)
         occurrences, spread = missing, None  # with repeated keys: [M'] every missing key's place, [M'] its rank
@@ -102,15 +101,11 @@ class BatchPlacement:
             held = pos.index_copy(0, missing, new_pos)
             victim_pos, *evicted = self._evict_for(new_keys[pending], new_scores[pending], held[held >= 0], _pick(new_seg, pending))
             new_pos.scatter_(0, pending, victim_pos)
-        rows = found_rows
         if missing.numel():
-            at = new_pos if spread is None else new_pos.index_select(0, spread)  # [M'] each missing occurrence's slot
-            pos = pos.index_copy(0, occurrences, at)
-            # A found key keeps its row id whatever moved (growth, cuckoo moves): only the new keys' are read.
-            rows = None if rows is None else rows.index_copy(0, occurrences, self._rows_at(at))
+            # In place: pos is this call's own tensor (the probe's, growth's or the moves').
+            pos.index_copy_(0, occurrences, new_pos if spread is None else new_pos.index_select(0, spread))
         *evicted, taken = evicted
-        if rows is None:
-            rows = self._rows_at(pos)
+        rows = self._rows_at(pos)
         ok, failed_keys, failed_seg = None, unique[:0], _pick(seg, missing[:0])  # every key found or placed: no host sync
         if pending.numel():
             ok = pos >= 0
@@ -222,15 +217,14 @@ class BatchPlacement:
 
     def _found_and_missing_native(
         self, unique: torch.Tensor, counts: torch.Tensor, batch_scores: torch.Tensor, lfu_add: bool, uniform: bool, seg: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:meth:`_found_and_missing` by the compiled kernel (bitwise the same), and the found
-        keys' row ids ([U], -1 where missing) read in the same probe."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`_found_and_missing` by the compiled kernel (bitwise the same)."""
         args = (self._segments, unique, seg, batch_scores, counts, lfu_add, uniform)
-        got = found_and_missing_native(self._keys, self._tags, self._scores, self._rows, *args)
+        got = found_and_missing_native(self._keys, self._tags, self._scores, *args)
         if got is None:
             # A score of this call does not fit int32 (nothing was written): widen, then redo.
             self._widen_scores()
-            got = found_and_missing_native(self._keys, self._tags, self._scores, self._rows, *args)
+            got = found_and_missing_native(self._keys, self._tags, self._scores, *args)
         return got
 
     def _place_free(self, keys: torch.Tensor, scores: torch.Tensor, seg: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
