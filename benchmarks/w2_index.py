@@ -17,7 +17,11 @@ batches of N until a call evicts or fails a key; the load factor then is recorde
 at least FIRST_EVICTION_MIN. Filling goes on past the capacity (load 1.0, evicting). Every call
 of this fill, and every timed find_or_insert and erase, is checked against a set of the keys the
 index should hold: keys before + new keys = keys after + evicted + failed, and each key that
-left is reported; at loads 0.5, 0.9, 0.95 and 1.0 the index's keys must equal that set.
+left is reported; at loads 0.5, 0.9, 0.95 and 1.0 the index's keys must equal that set. The
+timed calls are checked once a repeat's calls are timed, from the sizes and results recorded
+around each: the set holds millions of Python ints, and walking it between timed calls evicted
+the index's lines from the caches, so that find_or_insert and insert ran cold while find (no
+check) ran warm (perf-log 2026-11-26, fourth session).
 
 References, measured in the same repeat on the same queries:
 * ``dict``: a Python dict key -> row id holding the same P keys, called as a user with tensors
@@ -109,22 +113,25 @@ class Ledger:
         self.index = index
         self.held: set[int] = set()
 
-    def inserted(self, keys: torch.Tensor, size_before: int, r) -> None:
-        """Check a find_or_insert of ``keys`` that started at ``size_before`` keys."""
+    def inserted(self, keys: torch.Tensor, size_before: int, r, size_after: int | None = None) -> None:
+        """Check a find_or_insert of ``keys`` that took the index from ``size_before`` keys to
+        ``size_after`` (default: its size now)."""
+        size_after = self.index.size() if size_after is None else size_after
         batch = set(keys.tolist())
         new = batch - self.held
         evicted, failed = r.evicted_keys.tolist(), r.failed_keys.tolist()
-        assert size_before + len(new) == self.index.size() + len(evicted) + len(failed), "conservation"
+        assert size_before + len(new) == size_after + len(evicted) + len(failed), "conservation"
         assert len(set(evicted)) == len(evicted) and all(k in self.held and k not in batch for k in evicted)
         assert len(set(failed)) == len(failed) and all(k in new for k in failed)
         self.held |= new
         self.held.difference_update(evicted)
         self.held.difference_update(failed)
-        assert self.index.size() == len(self.held)
+        assert size_after == len(self.held)
 
-    def erased(self, keys: torch.Tensor, size_before: int, r) -> None:
+    def erased(self, keys: torch.Tensor, size_before: int, r, size_after: int | None = None) -> None:
+        size_after = self.index.size() if size_after is None else size_after
         gone = r.evicted_keys.tolist()
-        assert sorted(gone) == sorted(set(keys.tolist()) & self.held) and size_before == self.index.size() + len(gone)
+        assert sorted(gone) == sorted(set(keys.tolist()) & self.held) and size_before == size_after + len(gone)
         self.held.difference_update(gone)
 
     def verify(self) -> None:
@@ -254,36 +261,46 @@ class _Session:
         found = sum(int(index.find(q)[1].sum()) for q in upserts)
         self.found_fraction.append(found / (cfg.steps * KEYS_PER_CALL))
         d, sa = self.dict_index, self.sorted_index
-        clock, last = self.clock, {}
-        # The present keys are this index's own; the ledger checks the new ones and the erase.
-        ledger = Ledger(index)
-        ledger.held = set(present.tolist())
+        clock = self.clock
+        # Each timed call's size before, result, size after, and its erase's result and size
+        # after: the ledger checks them once the calls are timed (its Python sets of millions
+        # of keys would otherwise evict the index's lines from the caches between timed calls).
+        calls: dict[str, list[list]] = {"insert": [], "find_or_insert": []}
 
-        def upsert(q: torch.Tensor) -> None:
-            last["size"] = index.size()
-            last["result"] = index.find_or_insert(q, now=clock.tick())
+        def upsert(op: str):
+            def call(q: torch.Tensor) -> None:
+                size = index.size()
+                calls[op].append([size, index.find_or_insert(q, now=clock.tick()), index.size()])
 
-        def check_and_erase(i: int) -> None:
-            ledger.inserted(upserts[i], last["size"], last["result"])
-            size = index.size()
-            ledger.erased(fresh[i], size, index.erase(fresh[i]))
+            return call
 
-        def check_and_erase_insert(i: int) -> None:
-            ledger.inserted(inserts[i], last["size"], last["result"])
-            size = index.size()
-            ledger.erased(inserts[i], size, index.erase(inserts[i]))
+        def erase(op: str, leaving: list[torch.Tensor]):
+            def after(i: int) -> None:
+                calls[op][i] += [index.erase(leaving[i]), index.size()]
+
+            return after
 
         runs = [
-            (("insert", "dynemb"), upsert, inserts, check_and_erase_insert),
+            (("insert", "dynemb"), upsert("insert"), inserts, erase("insert", inserts)),
             (("insert", "dict"), d.find_or_insert, inserts, lambda i: d.erase(inserts[i])),
             (("find", "dynemb"), index.find, finds, None),
             (("find", "dict"), d.find, finds, None),
             (("find", "sorted-array"), sa.find, finds, None),
-            (("find_or_insert", "dynemb"), upsert, upserts, check_and_erase),
+            (("find_or_insert", "dynemb"), upsert("find_or_insert"), upserts, erase("find_or_insert", fresh)),
             (("find_or_insert", "dict"), d.find_or_insert, upserts, lambda i: d.erase(fresh[i])),
         ]
         order = runs if attempt % 2 == 0 else runs[::-1]
         measured = {key: _keys_per_second(op, queries, after) for key, op, queries, after in order}
+        # The present keys are this index's own; the ledger checks the new ones and the erases,
+        # in the order the calls ran.
+        ledger = Ledger(index)
+        ledger.held = set(present.tolist())
+        for op in (r[0][0] for r in order if r[0][1] == "dynemb" and r[0][0] in calls):
+            queries, leaving = (inserts, inserts) if op == "insert" else (upserts, fresh)
+            for i, (before, result, after, erased, after_erase) in enumerate(calls[op]):
+                ledger.inserted(queries[i], before, result, after)
+                ledger.erased(leaving[i], after, erased, after_erase)
+        assert index.size() == len(ledger.held)
         rates = {key: rate for key, (rate, _) in measured.items()}
         summary = ", ".join(f"{op}/{c} {v / 1e6:.2f}M keys/s" for (op, c), v in rates.items())
         self.log(f"W2 load {self.load} attempt {attempt}: {summary}")
