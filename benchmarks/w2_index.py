@@ -262,44 +262,39 @@ class _Session:
         self.found_fraction.append(found / (cfg.steps * KEYS_PER_CALL))
         d, sa = self.dict_index, self.sorted_index
         clock = self.clock
-        # Each timed call's size before, result, size after, and its erase's result and size
-        # after: the ledger checks them once the calls are timed (its Python sets of millions
-        # of keys would otherwise evict the index's lines from the caches between timed calls).
-        calls: dict[str, list[list]] = {"insert": [], "find_or_insert": []}
+        # Each timed call, in the order they run: size before, keys, result, size after, then
+        # its erase's keys, result and size after. The ledger checks them once the calls are
+        # timed (its Python sets of millions of keys would otherwise evict the index's lines
+        # from the caches between timed calls).
+        calls: list[list] = []
 
-        def upsert(op: str):
-            def call(q: torch.Tensor) -> None:
-                size = index.size()
-                calls[op].append([size, index.find_or_insert(q, now=clock.tick()), index.size()])
+        def upsert(q: torch.Tensor) -> None:
+            size = index.size()
+            calls.append([size, q, index.find_or_insert(q, now=clock.tick()), index.size()])
 
-            return call
-
-        def erase(op: str, leaving: list[torch.Tensor]):
+        def erase(leaving: list[torch.Tensor]):
             def after(i: int) -> None:
-                calls[op][i] += [index.erase(leaving[i]), index.size()]
+                calls[-1] += [leaving[i], index.erase(leaving[i]), index.size()]
 
             return after
 
         runs = [
-            (("insert", "dynemb"), upsert("insert"), inserts, erase("insert", inserts)),
+            (("insert", "dynemb"), upsert, inserts, erase(inserts)),
             (("insert", "dict"), d.find_or_insert, inserts, lambda i: d.erase(inserts[i])),
             (("find", "dynemb"), index.find, finds, None),
             (("find", "dict"), d.find, finds, None),
             (("find", "sorted-array"), sa.find, finds, None),
-            (("find_or_insert", "dynemb"), upsert("find_or_insert"), upserts, erase("find_or_insert", fresh)),
+            (("find_or_insert", "dynemb"), upsert, upserts, erase(fresh)),
             (("find_or_insert", "dict"), d.find_or_insert, upserts, lambda i: d.erase(fresh[i])),
         ]
         order = runs if attempt % 2 == 0 else runs[::-1]
         measured = {key: _keys_per_second(op, queries, after) for key, op, queries, after in order}
-        # The present keys are this index's own; the ledger checks the new ones and the erases,
-        # in the order the calls ran.
+        # The present keys are this index's own; the ledger checks the new ones and the erases.
         ledger = Ledger(index)
         ledger.held = set(present.tolist())
-        for op in (r[0][0] for r in order if r[0][1] == "dynemb" and r[0][0] in calls):
-            queries, leaving = (inserts, inserts) if op == "insert" else (upserts, fresh)
-            for i, (before, result, after, erased, after_erase) in enumerate(calls[op]):
-                ledger.inserted(queries[i], before, result, after)
-                ledger.erased(leaving[i], after, erased, after_erase)
+        for before, keys, result, after, gone, erased, after_erase in calls:
+            ledger.inserted(keys, before, result, after)
+            ledger.erased(gone, after, erased, after_erase)
         assert index.size() == len(ledger.held)
         rates = {key: rate for key, (rate, _) in measured.items()}
         summary = ", ".join(f"{op}/{c} {v / 1e6:.2f}M keys/s" for (op, c), v in rates.items())
