@@ -165,8 +165,7 @@ def assert_same_index(a: KeyIndex, b: KeyIndex) -> None:
     assert a.size() == b.size() and a.num_buckets == b.num_buckets and a.counters() == b.counters()
     # Each segment's counters and sizes (the native placement counts its segments itself).
     assert all(a.counters(s) == b.counters(s) for s in range(a.num_segments))
-    assert (a._segment_size is None) == (b._segment_size is None)
-    assert a._segment_size is None or torch.equal(a._segment_size, b._segment_size)
+    assert torch.equal(a.segment_sizes(), b.segment_sizes())
     for x, y in zip(index_state(a), index_state(b)):
         assert x.dtype == y.dtype and torch.equal(x, y)
     assert a.free_list.high_water == b.free_list.high_water and a.free_list.num_free() == b.free_list.num_free()
