@@ -113,6 +113,16 @@ def ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def slot_step(table: torch.Tensor) -> int:
+    """Elements from one slot's entry to the next in a [B, W] table of the index: 1 for a table
+    of its own, more where the slots are packed (a view into the packed slots, docs/design/0041).
+    The kernels address slot p at ``p * step``, so the view must be flat-addressable."""
+    step = table.stride(1)
+    if table.shape[0] > 1 and table.stride(0) != step * table.shape[1]:
+        raise ValueError(f"index table of shape {tuple(table.shape)} and strides {table.stride()}: its slots are not evenly spaced")
+    return step
+
+
 def threads() -> int:
     """The thread count the kernels may use: torch's intra-op setting."""
     return torch.get_num_threads()

@@ -32,29 +32,60 @@ inline uint8_t tag_of(uint64_t mixed2) {
 
 inline uint8_t key_tag(int64_t key) { return tag_of(mix64(mix64(static_cast<uint64_t>(key)))); }
 
-// Entry p of an int32 or int64 table (``bytes`` 4 or 8: the index's row ids and scores).
-inline int64_t load_int(const void* table, int64_t bytes, int64_t p) {
-  return bytes == 4 ? static_cast<const int32_t*>(table)[p] : static_cast<const int64_t*>(table)[p];
-}
+// The index's [B, W] key table: slot p's key at base[p * step]. step is 1 for a table of its
+// own and 2 when each slot's key, row id and score are packed in 16 bytes (docs/design/0041).
+struct KeyCol {
+  int64_t* base;
+  int64_t step;
+  KeyCol(const int64_t* table, int64_t key_step) : base(const_cast<int64_t*>(table)), step(key_step) {}
+  int64_t& operator[](int64_t p) const { return base[p * step]; }
+  const int64_t* at(int64_t p) const { return base + p * step; }
+};
 
-inline void store_int(void* table, int64_t bytes, int64_t p, int64_t value) {
-  if (bytes == 4)
-    static_cast<int32_t*>(table)[p] = static_cast<int32_t>(value);
-  else
-    static_cast<int64_t*>(table)[p] = value;
+// An int32 or int64 [B, W] table of the index (row ids, scores): slot p's entry ``bytes`` wide
+// at byte p * stride (stride = bytes for a table of its own, 16 when packed).
+struct IntCol {
+  char* base;
+  int64_t bytes;   // 4 or 8
+  int64_t stride;  // bytes from one slot's entry to the next
+  IntCol(const void* table, int64_t width, int64_t step) : base(static_cast<char*>(const_cast<void*>(table))), bytes(width), stride(step * width) {}
+  const char* at(int64_t p) const { return base + p * stride; }
+  int64_t get(int64_t p) const { return bytes == 4 ? *reinterpret_cast<const int32_t*>(at(p)) : *reinterpret_cast<const int64_t*>(at(p)); }
+  void set(int64_t p, int64_t value) const {
+    char* a = base + p * stride;
+    if (bytes == 4)
+      *reinterpret_cast<int32_t*>(a) = static_cast<int32_t>(value);
+    else
+      *reinterpret_cast<int64_t*>(a) = value;
+  }
+  // Copy slot ``from``'s entry to slot ``to``.
+  void move(int64_t from, int64_t to) const { set(to, get(from)); }
+};
+
+// Request every line from the one holding ``first`` to the one holding ``last`` (RW 1: for writing).
+template <int RW>
+inline void prefetch_span(const void* first, const void* last) {
+  const uintptr_t end = reinterpret_cast<uintptr_t>(last);
+  for (uintptr_t line = reinterpret_cast<uintptr_t>(first) & ~uintptr_t(63); line <= end; line += 64)
+    __builtin_prefetch(reinterpret_cast<const void*>(line), RW);
 }
 
 // A key put into slot p: its key, tag and score (the row id is the caller's).
-inline void write_slot(int64_t* table_keys, uint8_t* tags, void* table_scores, int64_t score_bytes, int64_t p, int64_t key, int64_t score) {
+inline void write_slot(const KeyCol& table_keys, uint8_t* tags, const IntCol& scores, int64_t p, int64_t key, int64_t score) {
   table_keys[p] = key;
   tags[p] = key_tag(key);
-  store_int(table_scores, score_bytes, p, score);
+  scores.set(p, score);
 }
 
 // Empty slots of bucket ``bucket`` (tag 0).
 inline int64_t free_in(const uint8_t* tags, int64_t bucket, int64_t W) {
-  int64_t f = 0;
-  for (int64_t j = 0; j < W; ++j) f += tags[bucket * W + j] == 0;
+  int64_t f = 0, j = 0;
+#ifdef __SSE2__
+  for (; j + 16 <= W; j += 16)
+    f += __builtin_popcount(static_cast<unsigned>(
+        _mm_movemask_epi8(_mm_cmpeq_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tags + bucket * W + j)), _mm_setzero_si128()))));
+#endif
+  for (; j < W; ++j) f += tags[bucket * W + j] == 0;
   return f;
 }
 
@@ -68,7 +99,7 @@ inline unsigned tag_mask16(const uint8_t* tags, __m128i t) {
 // The slot of ``key`` among bucket ``base``'s W slots (its tag ``t``), or -1: the first slot whose
 // tag and key match. A used slot always holds its key's tag, so this is the first used slot
 // holding the key; the tags (one line for 16 slots) screen the key lines.
-inline int64_t find_in_bucket(const int64_t* table_keys, const uint8_t* tags, int64_t base, int64_t W, int64_t key, uint8_t t) {
+inline int64_t find_in_bucket(const KeyCol& table_keys, const uint8_t* tags, int64_t base, int64_t W, int64_t key, uint8_t t) {
   int64_t j = 0;
 #ifdef __SSE2__
   const __m128i tv = _mm_set1_epi8(static_cast<char>(t));

@@ -20,8 +20,9 @@ static constexpr int64_t AHEAD = 8;
 // ``taken`` the E slots taken (``old_keys`` / ``old_scores`` what they held), in the order the
 // twin reports them (round by round, each round's winners in priority order).
 extern "C" int64_t dyn_evict_for(
-    int64_t* table_keys, uint8_t* tags, void* table_scores,  // [B, W] tags: 0 where empty
-    int64_t W, int64_t total_buckets, int64_t score_bytes,
+    int64_t* table_keys, int64_t key_step,                   // [B, W] (key_step 1, or 2 packed)
+    uint8_t* tags, void* table_scores,                      // [B, W] tags: 0 where empty
+    int64_t W, int64_t total_buckets, int64_t score_bytes, int64_t score_step,
     const int64_t* keys, const int64_t* scores,                 // [P]
     const int64_t* seg, const int64_t* seg_counts, const int64_t* seg_offsets,
     int64_t n,
@@ -31,7 +32,9 @@ extern "C" int64_t dyn_evict_for(
     int64_t* taken, int64_t* old_keys, int64_t* old_scores,     // [P] out: the first E entries
     int64_t nthreads) {
   Candidates cand{seg, seg_counts, seg_offsets, total_buckets};
-  auto score_at = [&](int64_t p) -> int64_t { return load_int(table_scores, score_bytes, p); };
+  const KeyCol slot_keys(table_keys, key_step);
+  const IntCol slot_scores(table_scores, score_bytes, score_step);
+  auto score_at = [&](int64_t p) -> int64_t { return slot_scores.get(p); };
   // One byte a slot for this call (as the twin's lock tensor), one a bucket for the round's claims.
   std::vector<uint8_t> lock(total_buckets * W, 0), claimed(total_buckets, 0);
   for (int64_t i = 0; i < n_locked; ++i) lock[locked[i]] = 1;
@@ -64,12 +67,11 @@ extern "C" int64_t dyn_evict_for(
     eligible_of[i] = best >= 0 && (lfu || scores[i] >= best_score);
   };
   // The lines a key's pick reads in one bucket: its tags, lock bytes and scores.
-  const char* scores_at = static_cast<const char*>(table_scores);
   auto prefetch_bucket = [&](int64_t b) {
     const int64_t base = b * W;
     __builtin_prefetch(tags + base);
     __builtin_prefetch(lock.data() + base);
-    for (int64_t off = 0; off < W * score_bytes; off += 64) __builtin_prefetch(scores_at + base * score_bytes + off);
+    prefetch_span<0>(slot_scores.at(base), slot_scores.at(base + W - 1));
   };
   std::vector<int64_t> look(n);
   bool first_round = true;
@@ -103,8 +105,8 @@ extern "C" int64_t dyn_evict_for(
       // The victim slot of a key AHEAD later: its key and score are read and written if it wins.
       if (t + AHEAD < n_active && eligible_of[active[t + AHEAD]]) {
         const int64_t q = victim_of[active[t + AHEAD]];
-        __builtin_prefetch(table_keys + q, 1);
-        __builtin_prefetch(scores_at + q * score_bytes, 1);
+        __builtin_prefetch(slot_keys.at(q), 1);
+        __builtin_prefetch(slot_scores.at(q), 1);
       }
       const int64_t i = active[t];
       if (!eligible_of[i]) continue;
@@ -118,10 +120,10 @@ extern "C" int64_t dyn_evict_for(
       }
       const int64_t p = victim_of[i];
       taken[e] = p;
-      old_keys[e] = table_keys[p];
+      old_keys[e] = slot_keys[p];
       old_scores[e] = score_at(p);
       ++e;
-      write_slot(table_keys, tags, table_scores, score_bytes, p, keys[i], scores[i]);
+      write_slot(slot_keys, tags, slot_scores, p, keys[i], scores[i]);
       lock[p] = 1;
       pos[i] = p;
       dirty[p / W] = 1;

@@ -5,10 +5,12 @@
 
 using namespace dynemb;
 
-// The probe of probe.h a block at a time (about 4 lines a key: 2 tag lines, the likely slot's
-// key line and its row id line, requested together; docs/design/0039), then the block's outputs.
+// The probe of probe.h a block at a time (2 tag lines a key, then the likely slot's key line and
+// its row id line, requested together: one line when the slots are packed; docs/design/0039,
+// 0041), then the block's outputs.
 extern "C" int64_t dyn_locate(
     const int64_t* table_keys,  // [B, W]
+    int64_t key_step,           // elements from one slot's key to the next (1, or 2 packed)
     const uint8_t* tags,        // [B, W] 0 where empty, else the slot's key's tag
     int64_t W, int64_t total_buckets,
     const int64_t* keys,        // [N]
@@ -18,19 +20,22 @@ extern "C" int64_t dyn_locate(
     bool* found,                // [N] out
     const void* table_rows,     // [B, W] row ids (int32 or int64), or null
     int64_t row_bytes,          // 4 or 8
+    int64_t row_step,           // elements from one slot's row id to the next (1, or 4 packed)
     int64_t* rows_out,          // [N] out: row id, -1 where absent (with table_rows)
     int64_t nthreads) {
   Candidates cand{seg, seg_counts, seg_offsets, total_buckets};
+  const KeyCol slot_keys(table_keys, key_step);
+  const IntCol rows(table_rows, row_bytes, row_step);
   const int64_t blocks = (n + PROBE_BLOCK - 1) / PROBE_BLOCK;
 #pragma omp parallel for schedule(static) num_threads(threads(nthreads, n, 4096))
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const int64_t lo = blk * PROBE_BLOCK, len = lo + PROBE_BLOCK < n ? PROBE_BLOCK : n - lo;
     int64_t at[PROBE_BLOCK];
-    probe_block(table_keys, tags, W, cand, keys + lo, lo, len, at, static_cast<const char*>(table_rows), row_bytes);
+    probe_block(slot_keys, tags, W, cand, keys + lo, lo, len, at, table_rows ? &rows : nullptr);
     for (int64_t i = 0; i < len; ++i) {
       if (pos) pos[lo + i] = at[i];
       found[lo + i] = at[i] >= 0;
-      if (rows_out) rows_out[lo + i] = at[i] >= 0 ? load_int(table_rows, row_bytes, at[i]) : -1;
+      if (rows_out) rows_out[lo + i] = at[i] >= 0 ? rows.get(at[i]) : -1;
     }
   }
   return 0;

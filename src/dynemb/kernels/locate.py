@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from dynemb.kernels import library, ptr, threads
+from dynemb.kernels import library, ptr, slot_step, threads
 
 
 def locate_torch(
@@ -73,6 +73,7 @@ def locate_native(
     rows = None if table_rows is None else torch.empty(n, dtype=torch.int64)
     library().dyn_locate(
         ptr(table_keys),
+        slot_step(table_keys),
         ptr(tags),
         table_keys.shape[1],
         table_keys.shape[0],
@@ -85,6 +86,7 @@ def locate_native(
         ptr(found),
         ptr(table_rows),
         0 if table_rows is None else table_rows.element_size(),
+        1 if table_rows is None else slot_step(table_rows),
         ptr(rows),
         threads(),
     )

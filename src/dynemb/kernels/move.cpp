@@ -14,12 +14,9 @@ using namespace dynemb;
 namespace {
 
 struct Mover {
-  int64_t* keys;
+  KeyCol keys;
   uint8_t* tags;  // [B, W] 0 where empty, else the slot key's tag
-  char* rows;
-  int64_t row_bytes;
-  char* scores;
-  int64_t score_bytes;
+  IntCol rows, scores;
   int64_t W, total;
   const int64_t* of_bucket;  // [B] segment of each bucket, or null
   const int64_t* seg_counts;
@@ -43,8 +40,8 @@ struct Mover {
 
   void copy_slot(int64_t from, int64_t to) {
     keys[to] = keys[from];
-    std::copy(rows + from * row_bytes, rows + (from + 1) * row_bytes, rows + to * row_bytes);
-    std::copy(scores + from * score_bytes, scores + (from + 1) * score_bytes, scores + to * score_bytes);
+    rows.move(from, to);
+    scores.move(from, to);
   }
 
   std::vector<int64_t> move_out(const std::vector<int64_t>& buckets, int64_t depth, int64_t deep_limit) {
@@ -122,7 +119,8 @@ struct Mover {
 // ``steps`` how many each invocation made (one entry per invocation that found a full bucket,
 // in call order, as the twin appends them), ``n_out`` [2] the number of moves and of steps.
 extern "C" int64_t dyn_move_out(
-    int64_t* table_keys, uint8_t* tags, void* table_rows, int64_t row_bytes, void* table_scores, int64_t score_bytes,
+    int64_t* table_keys, int64_t key_step, uint8_t* tags,  // [B, W] (key_step 1, or 2 packed)
+    void* table_rows, int64_t row_bytes, int64_t row_step, void* table_scores, int64_t score_bytes, int64_t score_step,
     int64_t W, int64_t total_buckets,
     const int64_t* of_bucket, const int64_t* seg_counts, const int64_t* seg_offsets,
     const int64_t* buckets, int64_t q,   // [Q] distinct
@@ -132,7 +130,7 @@ extern "C" int64_t dyn_move_out(
     int64_t capacity,
     int64_t* steps, int64_t max_steps,   // out
     int64_t* n_out) {                    // [2] out
-  Mover m{table_keys, tags, static_cast<char*>(table_rows), row_bytes, static_cast<char*>(table_scores), score_bytes, W, total_buckets,
+  Mover m{KeyCol(table_keys, key_step), tags, IntCol(table_rows, row_bytes, row_step), IntCol(table_scores, score_bytes, score_step), W, total_buckets,
           of_bucket, seg_counts, seg_offsets, {}, {}, {}};
   std::vector<int64_t> list(buckets, buckets + q);
   std::vector<int64_t> out = m.move_out(list, depth, deep_limit);

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from dynemb.kernels import library, ptr, threads
+from dynemb.kernels import library, ptr, slot_step, threads
 
 # The deepest chain the kernel's output bounds cover (the index's MOVE_DEPTH).
 MAX_DEPTH = 2
@@ -53,11 +53,14 @@ def move_out_native(
     of_bucket = segments.of_bucket
     s = library().dyn_move_out(
         ptr(table_keys),
+        slot_step(table_keys),
         ptr(tags),
         ptr(table_rows),
         table_rows.element_size(),
+        slot_step(table_rows),
         ptr(table_scores),
         table_scores.element_size(),
+        slot_step(table_scores),
         W,
         table_keys.shape[0],
         ptr(of_bucket),

@@ -36,13 +36,18 @@ static void radix_sort_slots(int64_t* v, int64_t* buffer, int64_t n) {
   if (src != v) std::copy(src, src + n, v);
 }
 
-// The lines a key's placement writes: its bucket's flags, keys and score.
-__attribute__((always_inline)) inline void prefetch_target(const int64_t* table_keys, const uint8_t* tags, const char* scores, int64_t score_bytes,
-                                                           int64_t base, int64_t W) {
+// The lines a key's placement writes: its bucket's tags, keys and scores; when the slots are
+// packed, the line of slot ``likely`` (where a bucket's first new key goes).
+__attribute__((always_inline)) inline void prefetch_target(const KeyCol& table_keys, const uint8_t* tags, const IntCol& scores, int64_t base,
+                                                           int64_t W, int64_t likely) {
   __builtin_prefetch(tags + base, 1);
-  __builtin_prefetch(table_keys + base, 1);
-  __builtin_prefetch(table_keys + base + W - 1, 1);
-  __builtin_prefetch(scores + base * score_bytes, 1);
+  if (table_keys.step == 1) {
+    __builtin_prefetch(table_keys.at(base), 1);
+    __builtin_prefetch(table_keys.at(base + W - 1), 1);
+    __builtin_prefetch(scores.at(base), 1);
+  } else {
+    __builtin_prefetch(table_keys.at(likely), 1);
+  }
 }
 
 // Most threads a round's placement pass uses (each scans every key of the round).
@@ -60,26 +65,28 @@ static constexpr int AHEAD = 8;
 // thread sorts its slots, and the ranges ascend, so the round's slots come out ascending.
 extern "C" int64_t dyn_place_free(
     int64_t* table_keys,         // [B, W]
+    int64_t key_step,            // elements from one slot's key to the next (1, or 2 packed)
     uint8_t* tags,               // [B, W] tags: 0 where empty, else the slot key's tag
     void* table_scores,          // [B, W] int32 or int64
     const int64_t* keys,         // [P]
     const int64_t* scores,       // [P]
     int64_t W, int64_t total_buckets,
     int64_t score_bytes,         // 4 or 8
+    int64_t score_step,          // elements from one slot's score to the next (1, or 4 packed)
     const int64_t* seg, const int64_t* seg_counts, const int64_t* seg_offsets,
     int64_t n,
     int64_t* pos,                // [P] out
     int64_t* order,              // [P] out: the first (return value) entries are slots
     int64_t* rounds,             // [MAX_ROUNDS] out: slots taken in each round (0 after the last)
-    int64_t* scratch,            // [7P] the caller's reused buffer
-    int64_t cap,                 // its size, at least 7P
+    int64_t* scratch,            // [8P] the caller's reused buffer
+    int64_t cap,                 // its size, at least 8P
     int64_t* seg_placed,         // [S] or null (with seg): each segment's placed keys are added
     int64_t nthreads) {
   for (int r = 0; r < MAX_ROUNDS; ++r) rounds[r] = 0;
   if (n == 0) return 0;
-  if (cap < 7 * n) return -1;
+  if (cap < 8 * n) return -1;
   Candidates cand{seg, seg_counts, seg_offsets, total_buckets};
-  int64_t *b1 = scratch, *b2 = b1 + n, *chosen = b2 + n, *nfree = chosen + n, *todo = nfree + n, *slots = todo + n, *sort_buffer = slots + n;
+  int64_t *b1 = scratch, *b2 = b1 + n, *chosen = b2 + n, *nfree = chosen + n, *todo = nfree + n, *slots = todo + n, *likely = slots + n, *sort_buffer = likely + n;
   int nt = threads(nthreads, n, 2048);
   if (nt > MAX_PLACE_THREADS) nt = MAX_PLACE_THREADS;
 #pragma omp parallel for schedule(static) num_threads(nt)
@@ -88,7 +95,8 @@ extern "C" int64_t dyn_place_free(
     pos[i] = -1;
     todo[i] = i;
   }
-  char* score_bytes_at = static_cast<char*>(table_scores);
+  const KeyCol slot_keys(table_keys, key_step);
+  const IntCol slot_scores(table_scores, score_bytes, score_step);
   int64_t n_todo = n, n_placed = 0;
   int round_no = 0;
   // own[a * nt + r]: keys of thread a's share of the round (pass A) whose bucket is in range r.
@@ -102,8 +110,10 @@ extern "C" int64_t dyn_place_free(
       const int a = omp_get_thread_num();
 #pragma omp single
       rt = omp_get_num_threads();
-      // Range of a bucket: rt equal spans of the bucket ids.
-      auto range_of = [&](int64_t bucket) -> int { return static_cast<int>(bucket * rt / total_buckets); };
+      // Range of a bucket: rt spans of the bucket ids, ascending (multiply-shift: a division per
+      // key and thread cost ~10% of the kernel).
+      const uint64_t span = (static_cast<uint64_t>(rt) << 32) / static_cast<uint64_t>(total_buckets);
+      auto range_of = [&](int64_t bucket) -> int { return static_cast<int>((static_cast<uint64_t>(bucket) * span) >> 32); };
       const int64_t chunk = (n_todo + rt - 1) / rt, lo = a * chunk, hi = lo + chunk < n_todo ? lo + chunk : n_todo;
       int64_t* mine = own + a * MAX_PLACE_THREADS;
       // (A) Free slots of both candidates as the round starts, and the bucket each key tries.
@@ -123,6 +133,12 @@ extern "C" int64_t dyn_place_free(
         const bool take_second = second != other;
         chosen[i] = take_second ? b2[i] : b1[i];
         nfree[i] = take_second ? f2 : f1;
+        // The slot the key most likely takes, its bucket's first free one (the last slot when
+        // none is: the last round may try a full bucket): only its line is requested in pass B
+        // when the slots are packed (a bucket spans four lines).
+        int64_t j = 0;
+        while (j < W - 1 && tags[chosen[i] * W + j]) ++j;
+        likely[i] = chosen[i] * W + j;
         ++mine[range_of(chosen[i])];
       }
 #pragma omp barrier
@@ -142,7 +158,7 @@ extern "C" int64_t dyn_place_free(
         while (tail - head < AHEAD && scan < n_todo) {
           const int64_t i = todo[scan++];
           if (chosen[i] < 0 || range_of(chosen[i]) != r) continue;
-          prefetch_target(table_keys, tags, score_bytes_at, score_bytes, chosen[i] * W, W);
+          prefetch_target(slot_keys, tags, slot_scores, chosen[i] * W, W, likely[i]);
           ring[tail++ % AHEAD] = i;
         }
         if (head == tail) break;
@@ -160,7 +176,7 @@ extern "C" int64_t dyn_place_free(
         }
         const int64_t limit = halve ? (nfree[i] + 1) / 2 : nfree[i];
         if (nfree[i] - free_now >= limit) continue;
-        write_slot(table_keys, tags, table_scores, score_bytes, slot, keys[i], scores[i]);
+        write_slot(slot_keys, tags, slot_scores, slot, keys[i], scores[i]);
         pos[i] = slot;
         my_slots[placed++] = slot;
       }

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from dynemb.kernels import library, ptr, threads
+from dynemb.kernels import library, ptr, slot_step, threads
 
 # As place.cpp: at most 8 halving rounds, then one filling the preferred candidate, one the other.
 MAX_ROUNDS = 10
@@ -37,7 +37,7 @@ def place_free_native(
         segments: the index's :class:`dynemb.table.geometry.Segments`.
         keys, scores (Tensor[int64]): [P]; scores already fit ``table_scores``' dtype.
         seg (Tensor[int64] | None): [P] segment of each key.
-        workspace: a :class:`dynemb.workspace.Workspace` for the kernel's [7P] scratch.
+        workspace: a :class:`dynemb.workspace.Workspace` for the kernel's [8P] scratch.
         per_segment (Tensor[int64] | None): [S] with ``seg``: each segment's placed keys are
             added to it (the index's counters, without mapping slots back to segments).
     Returns:
@@ -53,9 +53,10 @@ def place_free_native(
     pos = torch.empty(n, dtype=torch.int64)
     order = torch.empty(n, dtype=torch.int64)
     rounds = torch.zeros(MAX_ROUNDS, dtype=torch.int64)
-    cap = 7 * n
+    cap = 8 * n
     m = library().dyn_place_free(
         ptr(table_keys),
+        slot_step(table_keys),
         ptr(tags),
         ptr(table_scores),
         ptr(keys),
@@ -63,6 +64,7 @@ def place_free_native(
         table_keys.shape[1],
         table_keys.shape[0],
         table_scores.element_size(),
+        slot_step(table_scores),
         ptr(seg),
         None if seg is None else ptr(segments.counts),
         None if seg is None else ptr(segments.offsets),

@@ -21,10 +21,12 @@ static constexpr int64_t PROBE_BLOCK = 256;
 
 // at[i]: the flat slot of keys[i] for i in [0, len) (len <= PROBE_BLOCK), -1 where absent;
 // key i of the block is key ``first + i`` of the call (for its segment). ``also`` (or null):
-// a [B, W] table of ``also_bytes`` per slot (row ids, scores) whose entries the caller reads or
-// writes at the found slots next: prefetched with the key line.
-inline void probe_block(const int64_t* table_keys, const uint8_t* tags, int64_t W, const Candidates& cand, const int64_t* keys, int64_t first,
-                        int64_t len, int64_t* at, const char* also = nullptr, int64_t also_bytes = 0) {
+// a [B, W] table (row ids, scores) whose entries the caller reads or writes at the found slots
+// next: prefetched with the key line unless it shares that line (packed slots).
+inline void probe_block(const KeyCol& table_keys, const uint8_t* tags, int64_t W, const Candidates& cand, const int64_t* keys, int64_t first,
+                        int64_t len, int64_t* at, const IntCol* also = nullptr) {
+  // Packed slots: a slot's 16 bytes (key, row id, score) lie in one line.
+  const bool also_apart = also && table_keys.step == 1;
   int64_t b1[PROBE_BLOCK], b2[PROBE_BLOCK];
   uint8_t tg[PROBE_BLOCK];
   for (int64_t i = 0; i < len; ++i) {
@@ -45,8 +47,8 @@ inline void probe_block(const int64_t* table_keys, const uint8_t* tags, int64_t 
       if (s < 0) s = first_tag(tags, b2[g], W, tg[g]);
       at[g] = s;  // the guess, until key g is compared
       if (s >= 0) {
-        __builtin_prefetch(table_keys + s);
-        if (also) __builtin_prefetch(also + s * also_bytes);
+        __builtin_prefetch(table_keys.at(s));
+        if (also_apart) __builtin_prefetch(also->at(s));
       }
     }
     const int64_t i = step - 2 * PROBE_AHEAD;

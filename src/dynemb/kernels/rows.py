@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dynemb.kernels import library, ptr, threads
+from dynemb.kernels import library, ptr, slot_step, threads
 
 
 def rows_at_torch(table_rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -27,7 +27,7 @@ def rows_at_native(table_rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """:func:`rows_at_torch` by ``dyn_rows_at`` (bitwise the same)."""
     pos = pos.contiguous()
     out = torch.empty(pos.numel(), dtype=torch.int64)
-    library().dyn_rows_at(ptr(table_rows), table_rows.element_size(), ptr(pos), pos.numel(), ptr(out), threads())
+    library().dyn_rows_at(ptr(table_rows), table_rows.element_size(), slot_step(table_rows), ptr(pos), pos.numel(), ptr(out), threads())
     return out
 
 
@@ -40,4 +40,4 @@ def put_rows_torch(table_rows: torch.Tensor, pos: torch.Tensor, ids: torch.Tenso
 def put_rows_native(table_rows: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor) -> None:
     """:func:`put_rows_torch` by ``dyn_rows_put``."""
     pos, ids = pos.contiguous(), ids.contiguous()
-    library().dyn_rows_put(ptr(table_rows), table_rows.element_size(), ptr(pos), ptr(ids), pos.numel(), threads())
+    library().dyn_rows_put(ptr(table_rows), table_rows.element_size(), slot_step(table_rows), ptr(pos), ptr(ids), pos.numel(), threads())

@@ -11,8 +11,8 @@
 
 using namespace dynemb;
 
-extern "C" int64_t dyn_locate(const int64_t*, const uint8_t*, int64_t, int64_t, const int64_t*, const int64_t*, const int64_t*, const int64_t*,
-                              int64_t, int64_t*, bool*, const void*, int64_t, int64_t*, int64_t);
+extern "C" int64_t dyn_locate(const int64_t*, int64_t, const uint8_t*, int64_t, int64_t, const int64_t*, const int64_t*, const int64_t*,
+                              const int64_t*, int64_t, int64_t*, bool*, const void*, int64_t, int64_t, int64_t*, int64_t);
 
 static constexpr int64_t I64_MAX = std::numeric_limits<int64_t>::max();
 static constexpr int64_t I32_MIN = std::numeric_limits<int32_t>::min();
@@ -20,10 +20,14 @@ static constexpr int64_t I32_MAX = std::numeric_limits<int32_t>::max();
 
 // Returns M, the number of missing keys (``missing`` gets them in priority order), or -1 when
 // a score of this call does not fit the int32 scores (nothing written: widen, then call again).
+// With ``rows_out``, the found keys' row ids too (-1 for the missing): read in the probe, from
+// the line its score is written to when the slots are packed (docs/design/0041).
 extern "C" int64_t dyn_upsert_found(
-    const int64_t* table_keys, const uint8_t* tags,  // [B, W] tags: 0 where empty
+    const int64_t* table_keys, int64_t key_step,     // [B, W] (key_step 1, or 2 packed)
+    const uint8_t* tags,                             // [B, W] tags: 0 where empty
     void* table_scores,            // [B, W] int32 or int64
-    int64_t W, int64_t total_buckets, int64_t score_bytes,
+    int64_t W, int64_t total_buckets, int64_t score_bytes, int64_t score_step,
+    const void* table_rows, int64_t row_bytes, int64_t row_step,  // [B, W] int32 or int64
     const int64_t* keys,           // [U] distinct
     const int64_t* seg, const int64_t* seg_counts, const int64_t* seg_offsets,
     int64_t n,
@@ -33,8 +37,11 @@ extern "C" int64_t dyn_upsert_found(
     int64_t uniform,               // every key has the same score: priority = key order
     int64_t* pos, bool* found,     // [U] out
     int64_t* missing,              // [U] out: the first M entries
+    int64_t* rows_out,             // [U] out or null: row id of each found key, -1 where missing
     int64_t nthreads) {
-  auto stored = [&](int64_t p) -> int64_t { return load_int(table_scores, score_bytes, p); };
+  const KeyCol slot_keys(table_keys, key_step);
+  const IntCol scores(table_scores, score_bytes, score_step), rows(table_rows, row_bytes, row_step);
+  auto stored = [&](int64_t p) -> int64_t { return scores.get(p); };
   if (!lfu_add) {
     // Every score written is one of the batch's: check they fit before the probe, then write
     // the found keys' scores in the probe's parallel blocks (distinct keys, distinct slots).
@@ -43,16 +50,16 @@ extern "C" int64_t dyn_upsert_found(
         if (batch_scores[i] < I32_MIN || batch_scores[i] > I32_MAX) return -1;
     Candidates cand{seg, seg_counts, seg_offsets, total_buckets};
     const int64_t blocks = (n + PROBE_BLOCK - 1) / PROBE_BLOCK;
-    char* scores = static_cast<char*>(table_scores);
 #pragma omp parallel for schedule(static) num_threads(threads(nthreads, n, 4096))
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const int64_t lo = blk * PROBE_BLOCK, len = lo + PROBE_BLOCK < n ? PROBE_BLOCK : n - lo;
       int64_t* at = pos + lo;
       // The score line of each key's likely slot is requested with its key line.
-      probe_block(table_keys, tags, W, cand, keys + lo, lo, len, at, scores, score_bytes);
+      probe_block(slot_keys, tags, W, cand, keys + lo, lo, len, at, &scores);
       for (int64_t i = 0; i < len; ++i) {
         found[lo + i] = at[i] >= 0;
-        if (at[i] >= 0) store_int(table_scores, score_bytes, at[i], batch_scores[lo + i]);
+        if (at[i] >= 0) scores.set(at[i], batch_scores[lo + i]);
+        if (rows_out) rows_out[lo + i] = at[i] >= 0 ? rows.get(at[i]) : -1;
       }
     }
     int64_t m = 0;
@@ -62,7 +69,8 @@ extern "C" int64_t dyn_upsert_found(
       std::stable_sort(missing, missing + m, [&](int64_t a, int64_t b) { return batch_scores[a] > batch_scores[b]; });
     return m;
   }
-  dyn_locate(table_keys, tags, W, total_buckets, keys, seg, seg_counts, seg_offsets, n, pos, found, nullptr, 0, nullptr, nthreads);
+  dyn_locate(table_keys, key_step, tags, W, total_buckets, keys, seg, seg_counts, seg_offsets, n, pos, found, table_rows, row_bytes, row_step,
+             rows_out, nthreads);
   auto new_score = [&](int64_t i) -> int64_t {
     const int64_t old = stored(pos[i]), add = counts[i];
     return old > I64_MAX - add ? I64_MAX : old + add;
@@ -86,7 +94,7 @@ extern "C" int64_t dyn_upsert_found(
       missing[m++] = i;
       continue;
     }
-    store_int(table_scores, score_bytes, pos[i], new_score(i));
+    scores.set(pos[i], new_score(i));
   }
   if (!uniform)
     std::stable_sort(missing, missing + m, [&](int64_t a, int64_t b) { return batch_scores[a] > batch_scores[b]; });

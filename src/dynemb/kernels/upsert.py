@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from dynemb.kernels import library, ptr, threads
+from dynemb.kernels import library, ptr, slot_step, threads
 
 
 def found_and_missing_native(
@@ -25,9 +25,13 @@ def found_and_missing_native(
     counts: torch.Tensor,
     lfu_add: bool,
     uniform: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Returns pos [U] (-1 where missing), found [U] and missing [M] (indices into keys); None
-    when a score of this call does not fit ``table_scores``' int32 (then nothing was written).
+    table_rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """Returns pos [U] (-1 where missing), found [U], missing [M] (indices into keys) and, with
+    ``table_rows`` ([B, W] int32 or int64), the found keys' row ids ([U] int64, -1 where
+    missing; read in the probe, from the score's line when the slots are packed), else None;
+    None in all when a score of this call does not fit ``table_scores``' int32 (then nothing
+    was written).
 
     Args:
         table_keys (Tensor[int64]), tags (Tensor[uint8], 0 where empty), table_scores (Tensor[int32|int64]):
@@ -42,13 +46,19 @@ def found_and_missing_native(
     pos = torch.empty(n, dtype=torch.int64)
     found = torch.empty(n, dtype=torch.bool)
     missing = torch.empty(n, dtype=torch.int64)
+    rows = None if table_rows is None else torch.empty(n, dtype=torch.int64)
     m = library().dyn_upsert_found(
         ptr(table_keys),
+        slot_step(table_keys),
         ptr(tags),
         ptr(table_scores),
         table_keys.shape[1],
         table_keys.shape[0],
         table_scores.element_size(),
+        slot_step(table_scores),
+        ptr(table_rows),
+        0 if table_rows is None else table_rows.element_size(),
+        1 if table_rows is None else slot_step(table_rows),
         ptr(keys),
         ptr(seg),
         None if seg is None else ptr(segments.counts),
@@ -61,6 +71,7 @@ def found_and_missing_native(
         ptr(pos),
         ptr(found),
         ptr(missing),
+        ptr(rows),
         threads(),
     )
-    return None if m < 0 else (pos, found, missing[:m])
+    return None if m < 0 else (pos, found, missing[:m], rows)

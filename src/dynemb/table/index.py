@@ -37,7 +37,7 @@ from dynemb.table.placement import CLOCKED, GIVE_UP, MOVE_DEPTH, BatchPlacement
 from dynemb.table.report import IndexReport
 from dynemb.table.state import COUNTERS, SEGMENT_COUNTERS, IndexState
 from dynemb.types import ScoreStrategy
-from dynemb.workspace import Workspace
+from dynemb.workspace import Workspace, empty
 
 __all__ = [
     "GIVE_UP",
@@ -171,17 +171,42 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
         self._recount_segment_sizes()
         self.free_list = FreeList(self.capacity(), self.device)
 
-    def _new_tables(self, num_buckets: int) -> tuple[torch.Tensor, ...]:
-        """Fresh (keys, tags, rows, scores) [B, W], all slots empty (tag 0), in the stored dtypes."""
+    def _packed(self) -> bool:
+        """Whether this index's slots are packed: a slot's key, row id and score in 16 bytes (one
+        cache line holds all three), which needs int32 row ids and scores (docs/design/0041)."""
+        return self._row_dtype is torch.int32 and self._score_dtype is torch.int32
+
+    def _new_tables(self, num_buckets: int, device: torch.device | None = None) -> tuple[torch.Tensor, ...]:
+        """Fresh (keys, tags, rows, scores) [B, W], all slots empty (tag 0), in the stored dtypes.
+
+        Packed (int32 row ids and scores): keys, rows and scores are views of one [B, W, 2]
+        int64 tensor, each slot's key then its row id and score (docs/design/0041); else four
+        tensors of their own."""
         shape = (num_buckets, self.bucket_capacity)
+        device = self.device if device is None else device
         # Kept across calls: never inference tensors, even when created under inference mode.
         with torch.inference_mode(False):
+            tags = empty(shape, dtype=torch.uint8, device=device).zero_()
+            if self._packed():
+                slots = empty((*shape, 2), dtype=torch.int64, device=device).zero_()
+                words = slots.view(torch.int32)  # [B, W, 4]: key (two words), row id, score
+                rows = words[..., 2]
+                rows.fill_(-1)
+                return slots[..., 0], tags, rows, words[..., 3]
             return (
-                torch.zeros(shape, dtype=torch.int64, device=self.device),
-                torch.zeros(shape, dtype=torch.uint8, device=self.device),
-                torch.full(shape, -1, dtype=self._row_dtype, device=self.device),
-                torch.zeros(shape, dtype=self._score_dtype, device=self.device),
+                empty(shape, dtype=torch.int64, device=device).zero_(),
+                tags,
+                empty(shape, dtype=self._row_dtype, device=device).fill_(-1),
+                empty(shape, dtype=self._score_dtype, device=device).zero_(),
             )
+
+    def _copy_tables(self, device: torch.device | None = None) -> tuple[torch.Tensor, ...]:
+        """The index's tables copied into fresh ones of the current layout (on ``device``)."""
+        tables = self._new_tables(self.num_buckets, device)
+        with torch.inference_mode(False):
+            for out, table in zip(tables, (self._keys, self._tags, self._rows, self._scores)):
+                out.copy_(table)
+        return tables
 
     def _set_tables(self, tables: tuple[torch.Tensor, ...]) -> None:
         self._keys, self._tags, self._rows, self._scores = tables
@@ -199,10 +224,9 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
             self._widen_scores()
 
     def _widen_scores(self) -> None:
-        """Store scores as int64 from now on (0035)."""
-        with torch.inference_mode(False):
-            self._score_dtype = torch.int64
-            self._scores = self._scores.to(torch.int64)
+        """Store scores as int64 from now on (0035): the slots are unpacked (0041)."""
+        self._score_dtype = torch.int64
+        self._set_tables(self._copy_tables())
 
     def _rows_at(self, pos: torch.Tensor) -> torch.Tensor:
         """Row ids at flat slots ``pos`` ([n], -1 where there is no slot) as int64, -1 there."""
@@ -483,8 +507,8 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
     def to(self, device: torch.device | str) -> KeyIndex:
         """Move every index tensor and the free list to ``device``."""
         device = resolve_device(device)
+        tables = (self._keys, self._tags, self._rows, self._scores) if device == self.device else self._copy_tables(device)
         with torch.inference_mode(False):
-            tables = tuple(t.to(device) for t in (self._keys, self._tags, self._rows, self._scores))
             if self._segment_stats is not None:
                 self._segment_stats = self._segment_stats.to(device)
             if self._segment_size is not None:

@@ -72,8 +72,9 @@ class BatchPlacement:
         uniform = own and self.strategy in CLOCKED
         if not (distinct or uniform):
             raise AssertionError("repeated keys are probed as they come only under one clock value")
+        found_rows = None  # [U] the found keys' row ids (-1 for the missing), where the probe read them
         if self.native:
-            pos, found, missing = self._found_and_missing_native(unique, counts, batch_scores, lfu_add, uniform, seg)
+            pos, found, missing, found_rows = self._found_and_missing_native(unique, counts, batch_scores, lfu_add, uniform, seg)
         else:
             pos, found, missing = self._found_and_missing(unique, counts, batch_scores, lfu_add, uniform, seg)
         occurrences, spread = missing, None  # with repeated keys: [M'] every missing key's place, [M'] its rank
@@ -105,7 +106,14 @@ class BatchPlacement:
             # In place: pos is this call's own tensor (the probe's, growth's or the moves').
             pos.index_copy_(0, occurrences, new_pos if spread is None else new_pos.index_select(0, spread))
         *evicted, taken = evicted
-        rows = self._rows_at(pos)
+        if found_rows is None:
+            rows = self._rows_at(pos)
+        else:
+            # Found keys keep their row ids through growth and moves: read only the new keys'.
+            rows = found_rows
+            if missing.numel():
+                new_rows = self._rows_at(new_pos)
+                rows.index_copy_(0, occurrences, new_rows if spread is None else new_rows.index_select(0, spread))
         ok, failed_keys, failed_seg = None, unique[:0], _pick(seg, missing[:0])  # every key found or placed: no host sync
         if pending.numel():
             ok = pos >= 0
@@ -217,14 +225,15 @@ class BatchPlacement:
 
     def _found_and_missing_native(
         self, unique: torch.Tensor, counts: torch.Tensor, batch_scores: torch.Tensor, lfu_add: bool, uniform: bool, seg: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:meth:`_found_and_missing` by the compiled kernel (bitwise the same)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`_found_and_missing` by the compiled kernel (bitwise the same), and the found
+        keys' row ids ([U] int64, -1 for the missing keys), read in the probe."""
         args = (self._segments, unique, seg, batch_scores, counts, lfu_add, uniform)
-        got = found_and_missing_native(self._keys, self._tags, self._scores, *args)
+        got = found_and_missing_native(self._keys, self._tags, self._scores, *args, self._rows)
         if got is None:
             # A score of this call does not fit int32 (nothing was written): widen, then redo.
             self._widen_scores()
-            got = found_and_missing_native(self._keys, self._tags, self._scores, *args)
+            got = found_and_missing_native(self._keys, self._tags, self._scores, *args, self._rows)
         return got
 
     def _place_free(self, keys: torch.Tensor, scores: torch.Tensor, seg: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,9 +22,11 @@ TILE = 2048
 
 @triton.jit
 def _locate_kernel(
-    table_keys,  # [B, W] int64
+    table_keys,  # [B, W] int64, slot p's key at p * key_step
     used,  # [B, W] uint8 tags: 0 where empty (read as a used flag here)
-    table_rows,  # [B, W] int32 or int64 (read when HAS_ROWS)
+    table_rows,  # [B, W] int32 or int64 (read when HAS_ROWS), slot p's at p * row_step
+    key_step,  # 1, or 2 when the slots are packed (docs/design/0041)
+    row_step,
     W,
     total_buckets,
     keys,  # [N] int64
@@ -62,19 +64,19 @@ def _locate_kernel(
         tile = m[:, None] & (j < W)[None, :]
         base1 = b1 * W
         slots1 = base1[:, None] + j[None, :]
-        hit1 = (tl.load(table_keys + slots1, mask=tile, other=0) == key[:, None]) & (tl.load(used + slots1, mask=tile, other=0) != 0) & tile
+        hit1 = (tl.load(table_keys + slots1 * key_step, mask=tile, other=0) == key[:, None]) & (tl.load(used + slots1, mask=tile, other=0) != 0) & tile
         j1 = tl.min(tl.where(hit1, j[None, :], WP), axis=1)
         # The second bucket only for the keys the first did not hold.
         tile2 = tile & (j1 == WP)[:, None]
         base2 = b2 * W
         slots2 = base2[:, None] + j[None, :]
-        hit2 = (tl.load(table_keys + slots2, mask=tile2, other=0) == key[:, None]) & (tl.load(used + slots2, mask=tile2, other=0) != 0) & tile2
+        hit2 = (tl.load(table_keys + slots2 * key_step, mask=tile2, other=0) == key[:, None]) & (tl.load(used + slots2, mask=tile2, other=0) != 0) & tile2
         j2 = tl.min(tl.where(hit2, j[None, :], WP), axis=1)
         at = tl.where(j1 < WP, base1 + j1, tl.where(j2 < WP, base2 + j2, -1))
         tl.store(pos_out + i, at, mask=m)
         tl.store(found_out + i, at >= 0, mask=m)
         if HAS_ROWS:
-            r = tl.load(table_rows + at, mask=m & (at >= 0), other=-1).to(tl.int64)
+            r = tl.load(table_rows + at * row_step, mask=m & (at >= 0), other=-1).to(tl.int64)
             tl.store(rows_out + i, r, mask=m)
 
 
@@ -91,6 +93,8 @@ def _launch(table_keys, used, table_rows, W: int, total_buckets: int, segments, 
         table_keys,
         used,
         table_rows if table_rows is not None else table_keys,
+        table_keys.stride(1) if probe else 1,
+        table_rows.stride(1) if table_rows is not None else 1,
         W,
         total_buckets,
         keys,
