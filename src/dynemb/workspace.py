@@ -1,5 +1,4 @@
-"""Scratch buffers kept between calls for the large temporaries of hot paths, and the memory of
-the tensors a table keeps.
+"""Scratch buffers kept between calls for the large temporaries of hot paths.
 
 On CPU a fresh large tensor pays a page fault per page on first touch (glibc hands big blocks
 back to the kernel when freed), so hot paths write their temporaries into views of buffers that
@@ -67,27 +66,27 @@ def _libc_madvise():
 _madvise = _libc_madvise()
 
 
-def advise_huge_pages(t: torch.Tensor) -> torch.Tensor:
-    """Ask Linux to back the 2 MiB-aligned part of a large CPU tensor's memory with huge pages
-    (transparent huge pages on request, ``madvise(MADV_HUGEPAGE)``): random reads of an index's
-    slots or a store's rows then miss the TLB far less often, and a growing store faults its
-    rows in 2 MiB at a time (docs/design/0041). Works for memory not touched yet; a no-op on
-    other devices, other systems and small tensors, and where the system refuses. Returns ``t``."""
-    if _madvise is None or t.device.type != "cpu" or t.numel() * t.element_size() < 2 * HUGE_PAGE:
-        return t
-    first = t.data_ptr()
-    start = (first + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
-    end = (first + t.numel() * t.element_size()) & ~(HUGE_PAGE - 1)
-    if end > start:
-        _madvise(start, end - start, _MADV_HUGEPAGE)  # EINVAL where THP is off: nothing to do
-    return t
+def huge_pages_zeros(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.zeros`` whose memory, where large and on CPU, Linux is asked to back with 2 MiB
+    pages (``madvise(MADV_HUGEPAGE)`` on the 2 MiB-aligned part, before the memory is first
+    touched): for tables read at random, such as the index's slots, whose 4 KiB pages would
+    miss the TLB on nearly every access (docs/design/0041). Elsewhere, or where the system
+    refuses (transparent huge pages off), plain memory."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    nbytes = t.numel() * t.element_size()
+    if _madvise is not None and t.device.type == "cpu" and nbytes >= 2 * HUGE_PAGE:
+        first = t.data_ptr()
+        start = (first + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
+        end = (first + nbytes) & ~(HUGE_PAGE - 1)
+        if end > start:
+            _madvise(start, end - start, _MADV_HUGEPAGE)  # EINVAL where THP is off: nothing to do
+    return t.zero_()
 
 
 def empty(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.empty`` outside inference mode, on huge pages where large (see
-    :func:`advise_huge_pages`), poisoned in tests: for tensors a table keeps."""
+    """``torch.empty`` outside inference mode, poisoned in tests: for tensors a table keeps."""
     with torch.inference_mode(False):
-        return poison_(advise_huge_pages(torch.empty(shape, dtype=dtype, device=device)))
+        return poison_(torch.empty(shape, dtype=dtype, device=device))
 
 
 class Workspace:

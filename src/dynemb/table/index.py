@@ -37,7 +37,7 @@ from dynemb.table.placement import CLOCKED, GIVE_UP, MOVE_DEPTH, BatchPlacement
 from dynemb.table.report import IndexReport
 from dynemb.table.state import COUNTERS, SEGMENT_COUNTERS, IndexState
 from dynemb.types import ScoreStrategy
-from dynemb.workspace import Workspace, empty
+from dynemb.workspace import Workspace, huge_pages_zeros
 
 __all__ = [
     "GIVE_UP",
@@ -180,24 +180,24 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
         """Fresh (keys, tags, rows, scores) [B, W], all slots empty (tag 0), in the stored dtypes.
 
         Packed (int32 row ids and scores): keys, rows and scores are views of one [B, W, 2]
-        int64 tensor, each slot's key then its row id and score (docs/design/0041); else four
-        tensors of their own."""
+        int64 tensor, each slot's key then its row id and score, on huge pages where the system
+        allows (docs/design/0041); else four tensors of their own."""
         shape = (num_buckets, self.bucket_capacity)
         device = self.device if device is None else device
         # Kept across calls: never inference tensors, even when created under inference mode.
         with torch.inference_mode(False):
-            tags = empty(shape, dtype=torch.uint8, device=device).zero_()
+            tags = huge_pages_zeros(shape, dtype=torch.uint8, device=device)
             if self._packed():
-                slots = empty((*shape, 2), dtype=torch.int64, device=device).zero_()
+                slots = huge_pages_zeros((*shape, 2), dtype=torch.int64, device=device)
                 words = slots.view(torch.int32)  # [B, W, 4]: key (two words), row id, score
                 rows = words[..., 2]
                 rows.fill_(-1)
                 return slots[..., 0], tags, rows, words[..., 3]
             return (
-                empty(shape, dtype=torch.int64, device=device).zero_(),
+                torch.zeros(shape, dtype=torch.int64, device=device),
                 tags,
-                empty(shape, dtype=self._row_dtype, device=device).fill_(-1),
-                empty(shape, dtype=self._score_dtype, device=device).zero_(),
+                torch.full(shape, -1, dtype=self._row_dtype, device=device),
+                torch.zeros(shape, dtype=self._score_dtype, device=device),
             )
 
     def _copy_tables(self, device: torch.device | None = None) -> tuple[torch.Tensor, ...]:
