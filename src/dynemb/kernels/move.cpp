@@ -13,6 +13,9 @@ using namespace dynemb;
 
 namespace {
 
+// Buckets whose lines are requested ahead of the one being read.
+constexpr int64_t AHEAD = 4;
+
 struct Mover {
   KeyCol keys;
   uint8_t* tags;  // [B, W] 0 where empty, else the slot key's tag
@@ -45,18 +48,28 @@ struct Mover {
   }
 
   std::vector<int64_t> move_out(const std::vector<int64_t>& buckets, int64_t depth, int64_t deep_limit) {
+    // Three passes, each requesting AHEAD buckets ahead the random lines the next needs: the
+    // buckets' tags, then the full ones' keys (their other buckets), then those buckets' tags.
+    const int64_t Q = static_cast<int64_t>(buckets.size());
     std::vector<int64_t> full;
-    for (int64_t b : buckets)
-      if (free_in(b) == 0) full.push_back(b);
+    for (int64_t q = 0; q < Q; ++q) {
+      if (q + AHEAD < Q) __builtin_prefetch(tags + buckets[q + AHEAD] * W);
+      if (free_in(buckets[q]) == 0) full.push_back(buckets[q]);
+    }
     const int64_t F = static_cast<int64_t>(full.size());
     if (F == 0) return full;
     // Every resident's other bucket and its free slots, on the state as the call starts.
     std::vector<int64_t> alt(F * W), best(F), best_free(F);
     for (int64_t f = 0; f < F; ++f) {
+      if (f + AHEAD < F) prefetch_span<0>(keys.at(full[f + AHEAD] * W), keys.at(full[f + AHEAD] * W + W - 1));
+      for (int64_t j = 0; j < W; ++j) alt[f * W + j] = other(keys[full[f] * W + j], full[f]);
+    }
+    for (int64_t f = 0; f < F; ++f) {
+      if (f + AHEAD < F)
+        for (int64_t j = 0; j < W; ++j) __builtin_prefetch(tags + alt[(f + AHEAD) * W + j] * W);
       best_free[f] = -1;
       for (int64_t j = 0; j < W; ++j) {
-        const int64_t a = other(keys[full[f] * W + j], full[f]);
-        alt[f * W + j] = a;
+        const int64_t a = alt[f * W + j];
         const int64_t fa = a == full[f] ? 0 : free_in(a);
         if (fa > best_free[f]) {
           best_free[f] = fa;
