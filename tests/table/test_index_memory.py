@@ -129,3 +129,54 @@ def test_module_stats_report_the_figure():
     figures = stats if "index_bytes" in stats else next(iter(stats.values()))
     assert figures["index_bytes"] == 17 * figures["current_capacity"]
     assert figures["index_bytes_per_key"] == pytest.approx(20.0)
+
+
+# Packed slots (docs/design/0041): key, row id and score of a narrow slot in one 16-byte record.
+
+
+def _shares_storage(*tensors: torch.Tensor) -> bool:
+    return len({x.untyped_storage().data_ptr() for x in tensors}) == 1
+
+
+def test_narrow_slots_are_packed_and_widening_unpacks_them():
+    index = KeyIndex(capacity=64, bucket_capacity=16, score_strategy="customized")
+    W = index.bucket_capacity
+    # One [B, W, 2] int64 tensor: the keys every second word, row id and score in the other.
+    assert _shares_storage(index._keys, index._rows, index._scores)
+    assert index._keys.stride() == (2 * W, 2) and index._rows.stride() == index._scores.stride() == (4 * W, 4)
+    assert index._keys.untyped_storage().nbytes() == 16 * index.current_capacity()
+    r = index.find_or_insert(t([1, 2, 3]), scores=t([7, 8, 9]))
+    # Each key's record: its key, then its row id and score as two int32 words.
+    words = index._keys.untyped_storage()
+    record = torch.tensor([], dtype=torch.int32).set_(words).view(-1, 4)
+    at = r.positions.tolist()
+    assert record[at, 2].tolist() == r.rows.tolist() and record[at, 3].tolist() == [7, 8, 9]
+    assert torch.tensor([], dtype=torch.int64).set_(words).view(-1, 2)[at, 0].tolist() == [1, 2, 3]
+    before = index.find(t([1, 2, 3]))[0]
+    # A score beyond int32: four tensors of their own, nothing lost.
+    index.find_or_insert(t([4]), scores=t([INT64_MAX]))
+    assert not _shares_storage(index._keys, index._scores) and all(x.is_contiguous() for x in (index._keys, index._rows, index._scores))
+    assert torch.equal(index.find(t([1, 2, 3]))[0], before) and index.scores(t([1, 2, 3, 4]))[0].tolist() == [7, 8, 9, INT64_MAX]
+
+
+def test_int64_row_ids_are_never_packed():
+    index = KeyIndex(capacity=1 << 32, init_capacity=64)
+    assert index._rows.dtype is torch.int64 and index._keys.is_contiguous() and not _shares_storage(index._keys, index._rows)
+    r = index.find_or_insert(t([5, 6]), now=1)
+    assert index.find(t([6, 5]))[0].tolist() == r.rows.flip(0).tolist()
+
+
+def test_kernels_reject_unevenly_spaced_tables():
+    from dynemb.kernels import slot_step
+
+    assert slot_step(torch.zeros(4, 16, 2, dtype=torch.int64)[..., 0]) == 2
+    with pytest.raises(ValueError, match=r"shape \(4, 8\) and strides \(16, 1\)"):
+        slot_step(torch.zeros(4, 16)[:, :8])
+
+
+def test_huge_pages_zeros_is_zeros_on_any_size():
+    from dynemb.workspace import huge_pages_zeros
+
+    for shape in [(3,), (1 << 20, 5)]:  # below and above the 4 MiB from which pages are advised
+        z = huge_pages_zeros(shape, dtype=torch.int32, device=torch.device("cpu"))
+        assert z.shape == shape and z.dtype is torch.int32 and not z.any()

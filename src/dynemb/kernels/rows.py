@@ -3,7 +3,8 @@
 n slots. ``rows_at_torch`` / ``put_rows_torch`` are the plain-torch twins (an ``index_select``
 or ``scatter_`` of the flat [B * W] row ids); ``rows_at_native`` / ``put_rows_native`` run
 ``rows.cpp``: the same values, with the slots' lines prefetched ahead on every thread (a
-65,536-key batch reads or writes that many random lines of a 16 MiB table).
+65,536-key batch reads or writes that many random lines of a table of tens of MiB). The row
+ids may be a view into the index's packed slots (docs/design/0041): slot p's at ``p * step``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ N keys in a call, U unique keys, K keys held, S segments, B buckets, W slots per
 
 Layout: four [B, W] tensors (key int64, tag byte: 0 empty else the key's tag, row id int32 below 2**31 slots, score int32
 until a score does not fit, then int64): 17 bytes a slot, 20 a key at the default maximum load
-factor 0.85 (docs/design/0035). Every method takes and returns int64. Two-choice hashing: a key may live
+factor 0.85 (docs/design/0035). While row ids and scores are int32, key, row id and score are
+views of one packed [B, W, 2] int64 tensor, a slot's three in 16 bytes (docs/design/0041).
+Every method takes and returns int64. Two-choice hashing: a key may live
 at any slot of either of its two candidate buckets; lookups compare it against those 2W slots
 at once. Placement of new keys (free slots, cuckoo moves, eviction) is in
 :mod:`dynemb.table.placement`, growth in :mod:`dynemb.table.growth`, the state in
