@@ -62,6 +62,13 @@ struct IntCol {
   void move(int64_t from, int64_t to) const { set(to, get(from)); }
 };
 
+// Whether slot p's entry of ``col`` lies in the same 16-byte record as its key (packed slots,
+// docs/design/0041), so that the key's line holds it: derived from the two tables' addresses.
+inline bool same_record(const KeyCol& keys, const IntCol& col) {
+  const uintptr_t key0 = reinterpret_cast<uintptr_t>(keys.base), at = reinterpret_cast<uintptr_t>(col.base);
+  return col.stride == keys.step * 8 && at >= key0 && at < key0 + static_cast<uintptr_t>(col.stride);
+}
+
 // Request every line from the one holding ``first`` to the one holding ``last`` (RW 1: for writing).
 template <int RW>
 inline void prefetch_span(const void* first, const void* last) {

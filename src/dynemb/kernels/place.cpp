@@ -37,17 +37,18 @@ static void radix_sort_slots(int64_t* v, int64_t* buffer, int64_t n) {
 }
 
 // The lines a key's placement writes: its bucket's tags, keys and scores; when the slots are
-// packed, the line of slot ``likely`` (where a bucket's first new key goes).
+// packed (``likely`` >= 0), the tags and the line of slot ``likely``, where a bucket's first new
+// key goes (a bucket spans four lines).
 __attribute__((always_inline)) inline void prefetch_target(const KeyCol& table_keys, const uint8_t* tags, const IntCol& scores, int64_t base,
                                                            int64_t W, int64_t likely) {
   __builtin_prefetch(tags + base, 1);
-  if (table_keys.step == 1) {
-    __builtin_prefetch(table_keys.at(base), 1);
-    __builtin_prefetch(table_keys.at(base + W - 1), 1);
-    __builtin_prefetch(scores.at(base), 1);
-  } else {
+  if (likely >= 0) {
     __builtin_prefetch(table_keys.at(likely), 1);
+    return;
   }
+  __builtin_prefetch(table_keys.at(base), 1);
+  __builtin_prefetch(table_keys.at(base + W - 1), 1);
+  __builtin_prefetch(scores.at(base), 1);
 }
 
 // Most threads a round's placement pass uses (each scans every key of the round).
@@ -97,6 +98,7 @@ extern "C" int64_t dyn_place_free(
   }
   const KeyCol slot_keys(table_keys, key_step);
   const IntCol slot_scores(table_scores, score_bytes, score_step);
+  const bool packed = same_record(slot_keys, slot_scores);
   int64_t n_todo = n, n_placed = 0;
   int round_no = 0;
   // own[a * nt + r]: keys of thread a's share of the round (pass A) whose bucket is in range r.
@@ -133,12 +135,14 @@ extern "C" int64_t dyn_place_free(
         const bool take_second = second != other;
         chosen[i] = take_second ? b2[i] : b1[i];
         nfree[i] = take_second ? f2 : f1;
-        // The slot the key most likely takes, its bucket's first free one (the last slot when
-        // none is: the last round may try a full bucket): only its line is requested in pass B
-        // when the slots are packed (a bucket spans four lines).
-        int64_t j = 0;
-        while (j < W - 1 && tags[chosen[i] * W + j]) ++j;
-        likely[i] = chosen[i] * W + j;
+        // Packed slots: the slot the key most likely takes, its bucket's first free one (the
+        // last slot when none is: the last round may try a full bucket), whose line alone pass
+        // B requests.
+        if (packed) {
+          int64_t j = 0;
+          while (j < W - 1 && tags[chosen[i] * W + j]) ++j;
+          likely[i] = chosen[i] * W + j;
+        }
         ++mine[range_of(chosen[i])];
       }
 #pragma omp barrier
@@ -158,7 +162,7 @@ extern "C" int64_t dyn_place_free(
         while (tail - head < AHEAD && scan < n_todo) {
           const int64_t i = todo[scan++];
           if (chosen[i] < 0 || range_of(chosen[i]) != r) continue;
-          prefetch_target(slot_keys, tags, slot_scores, chosen[i] * W, W, likely[i]);
+          prefetch_target(slot_keys, tags, slot_scores, chosen[i] * W, W, packed ? likely[i] : -1);
           ring[tail++ % AHEAD] = i;
         }
         if (head == tail) break;

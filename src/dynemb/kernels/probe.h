@@ -25,8 +25,7 @@ static constexpr int64_t PROBE_BLOCK = 256;
 // next: prefetched with the key line unless it shares that line (packed slots).
 inline void probe_block(const KeyCol& table_keys, const uint8_t* tags, int64_t W, const Candidates& cand, const int64_t* keys, int64_t first,
                         int64_t len, int64_t* at, const IntCol* also = nullptr) {
-  // Packed slots: a slot's 16 bytes (key, row id, score) lie in one line.
-  const bool also_apart = also && table_keys.step == 1;
+  const bool also_apart = also && !same_record(table_keys, *also);
   int64_t b1[PROBE_BLOCK], b2[PROBE_BLOCK];
   uint8_t tg[PROBE_BLOCK];
   for (int64_t i = 0; i < len; ++i) {
