@@ -243,6 +243,14 @@ def test_segmented_index_on_both_backends_same_slots(strategy):
     )
 
 
+@pytest.mark.parametrize("W", [5, 20, 64, 80])
+def test_placement_on_both_backends_same_slots_for_bucket_widths(W):
+    """Buckets of W slots: below 16, 16 and a tail, 64 (the widest the placement kernel reads as
+    one bit mask of free slots) and 80 (its per-slot scan); growing, then evicting."""
+    batches = stream(3, 8, 12 * W, 60 * W)
+    drive("timestamp", lambda backend: KeyIndex(capacity=32 * W, init_capacity=4 * W, bucket_capacity=W, backend=backend), batches)
+
+
 def test_crowded_bucket_on_both_backends_same_slots():
     keys = t(same_bucket_keys(16, 40))
     batches = [keys[:5], keys[3:20], keys[10:40], keys[::2], t(SPECIAL), keys]

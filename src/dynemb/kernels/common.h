@@ -84,16 +84,42 @@ inline void write_slot(const KeyCol& table_keys, uint8_t* tags, const IntCol& sc
   scores.set(p, score);
 }
 
+// Set bits of a 64-bit word, inline (the kernels are built for any x86-64 CPU: without -mpopcnt,
+// __builtin_popcount is a libgcc call).
+inline int popcount64(uint64_t x) {
+  x = x - ((x >> 1) & 0x5555555555555555ULL);
+  x = (x & 0x3333333333333333ULL) + ((x >> 2) & 0x3333333333333333ULL);
+  x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0FULL;
+  return static_cast<int>((x * 0x0101010101010101ULL) >> 56);
+}
+
 // Empty slots of bucket ``bucket`` (tag 0).
 inline int64_t free_in(const uint8_t* tags, int64_t bucket, int64_t W) {
   int64_t f = 0, j = 0;
 #ifdef __SSE2__
   for (; j + 16 <= W; j += 16)
-    f += __builtin_popcount(static_cast<unsigned>(
+    f += popcount64(static_cast<unsigned>(
         _mm_movemask_epi8(_mm_cmpeq_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tags + bucket * W + j)), _mm_setzero_si128()))));
 #endif
   for (; j < W; ++j) f += tags[bucket * W + j] == 0;
   return f;
+}
+
+// Most slots a bucket may have for free_mask.
+constexpr int64_t MASK_SLOTS = 64;
+
+// Bit j set where slot j of bucket ``bucket`` is empty (tag 0), for W <= MASK_SLOTS.
+inline uint64_t free_mask(const uint8_t* tags, int64_t bucket, int64_t W) {
+  const uint8_t* t = tags + bucket * W;
+  uint64_t m = 0;
+  int64_t j = 0;
+#ifdef __SSE2__
+  for (; j + 16 <= W; j += 16)
+    m |= static_cast<uint64_t>(static_cast<unsigned>(_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + j)), _mm_setzero_si128()))))
+         << j;
+#endif
+  for (; j < W; ++j) m |= static_cast<uint64_t>(t[j] == 0) << j;
+  return m;
 }
 
 // Bit j set where tags[j] == t, for the 16 tags at ``tags``.

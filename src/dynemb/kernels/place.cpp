@@ -54,7 +54,7 @@ __attribute__((always_inline)) inline void prefetch_target(const KeyCol& table_k
 // Most threads a round's placement pass uses (each scans every key of the round).
 static constexpr int MAX_PLACE_THREADS = 8;
 // Keys of a thread's own buckets whose lines are in flight ahead of the one being placed.
-static constexpr int AHEAD = 8;
+static constexpr int AHEAD = 16;
 
 // Returns the number of keys placed; ``order`` gets their slots in row-allocation order (each
 // round's slots ascending, rounds in turn), ``pos`` each key's slot (-1: not placed).
@@ -99,6 +99,9 @@ extern "C" int64_t dyn_place_free(
   const KeyCol slot_keys(table_keys, key_step);
   const IntCol slot_scores(table_scores, score_bytes, score_step);
   const bool packed = same_record(slot_keys, slot_scores);
+  // Buckets of at most MASK_SLOTS slots: free slots read from a bit mask of the tags (no loop
+  // over the slots, no mispredicted branch per slot).
+  const bool masks = W <= MASK_SLOTS;
   int64_t n_todo = n, n_placed = 0;
   int round_no = 0;
   // own[a * nt + r]: keys of thread a's share of the round (pass A) whose bucket is in range r.
@@ -120,12 +123,22 @@ extern "C" int64_t dyn_place_free(
       int64_t* mine = own + a * MAX_PLACE_THREADS;
       // (A) Free slots of both candidates as the round starts, and the bucket each key tries.
       for (int64_t t = lo; t < hi; ++t) {
-        if (t + 8 < hi) {
-          __builtin_prefetch(tags + b1[todo[t + 8]] * W);
-          __builtin_prefetch(tags + b2[todo[t + 8]] * W);
+        if (t + AHEAD < hi) {
+          __builtin_prefetch(tags + b1[todo[t + AHEAD]] * W);
+          __builtin_prefetch(tags + b2[todo[t + AHEAD]] * W);
         }
         const int64_t i = todo[t];
-        const int64_t f1 = free_in(tags, b1[i], W), f2 = free_in(tags, b2[i], W);
+        uint64_t m1 = 0, m2 = 0;
+        int64_t f1, f2;
+        if (masks) {
+          m1 = free_mask(tags, b1[i], W);
+          m2 = free_mask(tags, b2[i], W);
+          f1 = popcount64(m1);
+          f2 = popcount64(m2);
+        } else {
+          f1 = free_in(tags, b1[i], W);
+          f2 = free_in(tags, b2[i], W);
+        }
         if (f1 == 0 && f2 == 0) {
           chosen[i] = -1;
           continue;
@@ -140,7 +153,12 @@ extern "C" int64_t dyn_place_free(
         // B requests.
         if (packed) {
           int64_t j = 0;
-          while (j < W - 1 && tags[chosen[i] * W + j]) ++j;
+          if (masks) {
+            const uint64_t m = take_second ? m2 : m1;
+            j = m ? __builtin_ctzll(m) : W - 1;
+          } else {
+            while (j < W - 1 && tags[chosen[i] * W + j]) ++j;
+          }
           likely[i] = chosen[i] * W + j;
         }
         ++mine[range_of(chosen[i])];
@@ -172,10 +190,16 @@ extern "C" int64_t dyn_place_free(
         // slots the round has taken so far: every earlier key of the bucket took one, until one
         // did not fit (from then on the rank is at the limit, and no later key fits either).
         int64_t slot = -1, free_now = 0;
-        for (int64_t j = W - 1; j >= 0; --j) {
-          if (!tags[b * W + j]) {
-            slot = b * W + j;
-            ++free_now;
+        if (masks) {
+          const uint64_t m = free_mask(tags, b, W);
+          free_now = popcount64(m);
+          if (m) slot = b * W + __builtin_ctzll(m);
+        } else {
+          for (int64_t j = W - 1; j >= 0; --j) {
+            if (!tags[b * W + j]) {
+              slot = b * W + j;
+              ++free_now;
+            }
           }
         }
         const int64_t limit = halve ? (nfree[i] + 1) / 2 : nfree[i];
