@@ -9,7 +9,7 @@ import torch
 
 from dynemb.hashing import candidate_buckets, tag_of
 from dynemb.kernels import uses_native
-from dynemb.kernels.dedup import dedup, dedup_native, dedup_torch, sort_unique_native
+from dynemb.kernels.dedup import dedup, dedup_native, dedup_torch, sort_unique_first_native, sort_unique_first_torch, sort_unique_native
 from dynemb.kernels.locate import locate_native, locate_torch
 from dynemb.table.index import KeyIndex
 from dynemb.workspace import Workspace
@@ -369,6 +369,14 @@ def test_sort_dedup_matches_torch_unique_on_large_batches(case):
         mixed = label.clone()
         mixed[order[(inverse[at] == inverse[order]).nonzero().squeeze(1)[-1]]] += 1  # the run's last input
         assert sort_unique_native(keys, grouping=True, segments=mixed)[1] is None
+    # Each distinct key's first place (an upsert's missing keys, 0040).
+    assert_same(sort_unique_first_native(keys, workspace=Workspace("cpu")), sort_unique_first_torch(keys))
+
+
+@pytest.mark.parametrize("case", range(len(key_batches())))
+def test_sort_unique_first_places_match_torch(case):
+    keys = key_batches()[case]
+    assert_same(sort_unique_first_native(keys), sort_unique_first_torch(keys))
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
@@ -386,6 +394,33 @@ def test_row_id_gather_and_scatter_match_torch(dtype):
         put_rows_native(a, slots, ids)
         put_rows_torch(b, slots, ids)
         assert torch.equal(a, b)
+
+
+def test_new_keys_into_the_result_match_torch():
+    """An upsert's new keys' slots and row ids put at their places, from int64 and int32 row-id
+    tables and the packed slots' strided row ids: with and without repeated places (spread),
+    new keys without a slot (-1), none at all, and enough for both threads."""
+    from dynemb.kernels.rows import rows_of_new_native, rows_of_new_torch
+
+    gen = torch.Generator().manual_seed(9)
+    packed = KeyIndex(capacity=1 << 16, backend="torch")
+    packed.find_or_insert(random_keys(40_000, 3), now=1)
+    assert packed._rows.stride(-1) > 1  # the packed slots' view
+    tables = [torch.randint(0, 1 << 30, (4096, 16), generator=gen).to(dtype) for dtype in (torch.int64, torch.int32)] + [packed._rows]
+    for table in tables:
+        for m_new, m in ((0, 0), (5, 5), (300, 900), (30_000, 50_000)):
+            new_pos = torch.randint(0, table.numel(), (m_new,), generator=gen)
+            new_pos[::7] = -1
+            places = torch.randperm(60_000, generator=gen)[:m]
+            spread = None if m == m_new else torch.randint(0, m_new, (m,), generator=gen)
+            start = torch.randint(-1, 1 << 20, (60_000,), generator=gen)
+            want_pos, want_rows = start.clone(), start.clone() + 1
+            rows_of_new_torch(table, places, spread, new_pos, want_pos, want_rows)
+            got_pos, got_rows = start.clone(), start.clone() + 1
+            rows_of_new_native(table, places, spread, new_pos, got_pos, got_rows)
+            assert_same((got_pos, got_rows), (want_pos, want_rows))
+    with pytest.raises(ValueError, match="contiguous"):
+        rows_of_new_native(tables[0], places, spread, new_pos, start[::2], start.clone())
 
 
 @pytest.mark.parametrize("case", range(len(key_batches())))

@@ -159,6 +159,7 @@ extern "C" int64_t dyn_sort_unique(
     const int64_t* seg,   // [N] or null: the segment (table) of each input
     int64_t* useg,        // [N] out with seg (first U used): the segment of each key's first input
     int64_t* mixed,       // [1] out with seg: 1 when some key's inputs lie in several segments, else 0
+    int64_t* first,       // [N] out or null (first U used): each key's first input
     int64_t nthreads) {
   if (n == 0) return 0;
   const int nt = threads(nthreads, n, 16384);
@@ -227,6 +228,7 @@ extern "C" int64_t dyn_sort_unique(
       if (i == 0 || pairs[i].key != pairs[i - 1].key) {
         unique[++g] = pairs[i].key;
         counts[g] = i;  // the group's first position; turned into its count below
+        if (first) first[g] = pairs[i].idx;  // the sort keeps inputs of one key in input order
         if (seg) useg[g] = seg[pairs[i].idx];
       } else if (seg && seg[pairs[i].idx] != seg[pairs[i - 1].idx]) {
         mine_mixed = true;  // one key read through two segments: equal neighbours, all the run's

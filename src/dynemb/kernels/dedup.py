@@ -107,11 +107,31 @@ def sort_unique_native(
         segments = segments.contiguous()
         useg, mixed = torch.empty(n, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
     u = library().dyn_sort_unique(
-        ptr(keys), n, ptr(unique), ptr(inverse), ptr(counts), ptr(order), ptr(scratch), ptr(segments), ptr(useg), ptr(mixed), threads()
+        ptr(keys), n, ptr(unique), ptr(inverse), ptr(counts), ptr(order), ptr(scratch), ptr(segments), ptr(useg), ptr(mixed), None, threads()
     )
     if useg is not None:
         useg = None if int(mixed) else useg[:u]
     return unique[:u], useg, inverse, counts[:u], order
+
+
+def sort_unique_first_torch(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Distinct keys of ``keys`` ([N] int64) ascending [U], the inverse [N] and each distinct
+    key's first place in ``keys`` [U]: ``torch.unique`` and a scatter of the smallest place."""
+    unique, inverse = torch.unique(keys, sorted=True, return_inverse=True)
+    places = torch.arange(keys.numel(), device=keys.device)
+    first = torch.full_like(unique, keys.numel()).scatter_reduce_(0, inverse, places, reduce="amin")
+    return unique, inverse, first
+
+
+def sort_unique_first_native(keys: torch.Tensor, *, workspace=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`sort_unique_first_torch` by ``dyn_sort_unique`` (bitwise the same): the first
+    places come out of the sort's last pass, which meets each key's inputs in input order."""
+    keys = keys.contiguous()
+    n = keys.numel()
+    unique, inverse, counts, first = (torch.empty(n, dtype=torch.int64) for _ in range(4))
+    scratch = torch.empty(2 * n, dtype=torch.int64) if workspace is None else workspace.get("sort_unique", 2 * n, (), torch.int64)
+    u = library().dyn_sort_unique(ptr(keys), n, ptr(unique), ptr(inverse), ptr(counts), None, ptr(scratch), None, None, None, ptr(first), threads())
+    return unique[:u], inverse, first[:u]
 
 
 def dedup(

@@ -19,11 +19,12 @@ from __future__ import annotations
 import torch
 
 from dynemb.hashing import tag_of
+from dynemb.kernels.dedup import sort_unique_first_native
 from dynemb.kernels.evict import evict_for_native
 from dynemb.kernels.move import MAX_DEPTH as MOVE_KERNEL_DEPTH
 from dynemb.kernels.move import follow_native, follow_torch, move_out_native
 from dynemb.kernels.place import place_free_native
-from dynemb.kernels.rows import put_rows_native
+from dynemb.kernels.rows import put_rows_native, rows_of_new_native
 from dynemb.kernels.upsert import found_and_missing_native
 from dynemb.table.base import IndexResult
 from dynemb.table.keys import INT64_MAX as _MAX_SCORE
@@ -80,11 +81,16 @@ class BatchPlacement:
         occurrences, spread = missing, None  # with repeated keys: [M'] every missing key's place, [M'] its rank
         if distinct or missing.numel() == 0:
             new_keys, new_seg = unique.index_select(0, missing), _pick(seg, missing)
+        elif self.native and seg is None:
+            # As below, the compiled sort also giving each key's first place among the missing.
+            new_keys, spread, first = sort_unique_first_native(unique.index_select(0, missing), workspace=self._workspace)
+            new_seg, missing = None, occurrences.index_select(0, first)  # [M] one place of each
         else:
             # The distinct missing keys in ascending order: the priority order of one clock value.
             new_keys, new_seg, spread, _ = self._dedup(unique.index_select(0, missing), _pick(seg, missing))
             missing = torch.empty_like(new_keys).scatter_(0, spread, occurrences)  # [M] one place of each
-        new_scores = batch_scores.index_select(0, missing)
+        # One clock value: every key of the call has the same score, so any M of them are the new keys'.
+        new_scores = batch_scores[: missing.numel()] if uniform else batch_scores.index_select(0, missing)
         if self._grow_before(missing.numel(), new_seg):
             pos, _ = self._locate(unique, seg)
         pending = new_pos = missing  # [M] ranks not placed yet and slots (none when every key was found)
@@ -102,18 +108,18 @@ class BatchPlacement:
             held = pos.index_copy(0, missing, new_pos)
             victim_pos, *evicted = self._evict_for(new_keys[pending], new_scores[pending], held[held >= 0], _pick(new_seg, pending))
             new_pos.scatter_(0, pending, victim_pos)
-        if missing.numel():
-            # In place: pos is this call's own tensor (the probe's, growth's or the moves').
-            pos.index_copy_(0, occurrences, new_pos if spread is None else new_pos.index_select(0, spread))
         *evicted, taken = evicted
+        # In place: pos is this call's own tensor (the probe's, growth's or the moves').
         if found_rows is None:
+            if missing.numel():
+                pos.index_copy_(0, occurrences, new_pos if spread is None else new_pos.index_select(0, spread))
             rows = self._rows_at(pos)
         else:
-            # Found keys keep their row ids through growth and moves: read only the new keys'.
+            # Found keys keep their row ids through growth and moves: read only the new keys',
+            # put into the result with their slots in one pass.
             rows = found_rows
             if missing.numel():
-                new_rows = self._rows_at(new_pos)
-                rows.index_copy_(0, occurrences, new_rows if spread is None else new_rows.index_select(0, spread))
+                rows_of_new_native(self._rows, occurrences, spread, new_pos, pos, rows)
         ok, failed_keys, failed_seg = None, unique[:0], _pick(seg, missing[:0])  # every key found or placed: no host sync
         if pending.numel():
             ok = pos >= 0
