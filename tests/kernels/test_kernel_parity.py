@@ -300,13 +300,13 @@ def test_cuckoo_moves_on_both_backends_same_slots(monkeypatch):
     import dynemb.table.placement as placement
 
     calls = []
-    real = placement.move_out_native
+    real = placement.make_room_native
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(placement, "move_out_native", counted)
+    monkeypatch.setattr(placement, "make_room_native", counted)
     g = torch.Generator().manual_seed(11)
     batches = [torch.randint(-(10**9), 10**9, (40,), generator=g) for _ in range(30)]
     drive("step", lambda backend: KeyIndex(capacity=1024, bucket_capacity=8, backend=backend), batches)

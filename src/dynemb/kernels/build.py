@@ -31,7 +31,7 @@ SIGNATURES = {
     "dyn_rows_update": "pippiiiiddddddpi",
     "dyn_init_rows": "pippiiipdddi",
     "dyn_candidates": "ppppiippi",
-    "dyn_move_out": "pippiipiiiippppiiipppipip",
+    "dyn_make_room": "pippiipiiiipppppiiippppipip",
     "dyn_follow": "pipppi",
     "dyn_evict_for": "pippiiiipppppipiippppi",
     "dyn_upsert_found": "pippiiiipiippppippiippppi",

@@ -1,8 +1,9 @@
-// Native twin of BatchPlacement._move_out: free one slot in each full bucket of a list by moving
+// Native twin of BatchPlacement._move_out (Mover): free one slot in each full bucket of a list by moving
 // one of its keys to that key's other candidate bucket (the one with most free slots, ties: lower
 // slot), several keys heading for one bucket taking its free slots in turn; with depth > 1, the
 // buckets none of whose keys could move first get room made in their keys' other buckets
-// (recursively), then try again. Q buckets, W slots per bucket.
+// (recursively), then try again. Q buckets, W slots per bucket. ``dyn_make_room`` is the twin of
+// BatchPlacement._make_room around it: P pending keys in, whether each has room now out.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -128,34 +129,53 @@ struct Mover {
 
 }  // namespace
 
-// Returns the number of stuck buckets (written to ``stuck``); ``src`` / ``dst`` get the moves,
-// ``steps`` how many each invocation made (one entry per invocation that found a full bucket,
-// in call order, as the twin appends them), ``n_out`` [2] the number of moves and of steps.
-extern "C" int64_t dyn_move_out(
-    int64_t* table_keys, int64_t key_step, uint8_t* tags,  // [B, W] (key_step 1, or 2 packed)
+// The twin of BatchPlacement._make_room (the caller has checked that the index has a free slot):
+// the candidates of P pending keys, their distinct buckets ascending moved out of (the twin of
+// BatchPlacement._move_out, up to ``depth`` moves in a chain and ``deep_limit`` buckets explored
+// one level deeper), then for each key whether one of its buckets has a free slot now
+// (``room``) and, where none has, whether no key of either bucket could move (``stuck``).
+// Returns the number of steps of moves: ``src`` / ``dst`` get the moves, ``steps`` how many each
+// invocation of the move-out made (one entry per invocation that found a full bucket, in call
+// order, as the twin appends them), ``n_out`` [2] the number of moves and of steps (-1: more moves
+// than ``capacity`` or steps than ``max_steps``, a bug).
+extern "C" int64_t dyn_make_room(
+    int64_t* table_keys, int64_t key_step, uint8_t* tags,
     void* table_rows, int64_t row_bytes, int64_t row_step, void* table_scores, int64_t score_bytes, int64_t score_step,
     int64_t W, int64_t total_buckets,
     const int64_t* of_bucket, const int64_t* seg_counts, const int64_t* seg_offsets,
-    const int64_t* buckets, int64_t q,   // [Q] distinct
+    const int64_t* keys, const int64_t* seg, int64_t p,  // [P] pending keys, their segments or null
     int64_t depth, int64_t deep_limit,
-    int64_t* stuck,                      // [Q] out
+    bool* room, bool* stuck,             // [P] out
     int64_t* src, int64_t* dst,          // [capacity] out
     int64_t capacity,
     int64_t* steps, int64_t max_steps,   // out
     int64_t* n_out) {                    // [2] out
   Mover m{KeyCol(table_keys, key_step), tags, IntCol(table_rows, row_bytes, row_step), IntCol(table_scores, score_bytes, score_step), W, total_buckets,
           of_bucket, seg_counts, seg_offsets, {}, {}, {}};
-  std::vector<int64_t> list(buckets, buckets + q);
-  std::vector<int64_t> out = m.move_out(list, depth, deep_limit);
+  const Candidates cand{seg, seg_counts, seg_offsets, total_buckets};
+  std::vector<int64_t> b1(p), b2(p), needy(2 * p);
+  for (int64_t i = 0; i < p; ++i) {
+    cand.of(keys[i], i, &b1[i], &b2[i]);
+    needy[2 * i] = b1[i];
+    needy[2 * i + 1] = b2[i];
+  }
+  std::sort(needy.begin(), needy.end());
+  needy.erase(std::unique(needy.begin(), needy.end()), needy.end());
+  std::vector<int64_t> out = m.move_out(needy, depth, deep_limit);
+  std::sort(out.begin(), out.end());
+  auto is_stuck = [&](int64_t b) { return std::binary_search(out.begin(), out.end(), b); };
+  for (int64_t i = 0; i < p; ++i) {
+    room[i] = m.free_in(b1[i]) > 0 || m.free_in(b2[i]) > 0;
+    stuck[i] = !room[i] && is_stuck(b1[i]) && is_stuck(b2[i]);
+  }
   const int64_t n_moves = static_cast<int64_t>(m.src_all.size()), n_steps = static_cast<int64_t>(m.steps.size());
   if (n_moves > capacity || n_steps > max_steps) return -1;
   std::copy(m.src_all.begin(), m.src_all.end(), src);
   std::copy(m.dst_all.begin(), m.dst_all.end(), dst);
   std::copy(m.steps.begin(), m.steps.end(), steps);
-  std::copy(out.begin(), out.end(), stuck);
   n_out[0] = n_moves;
   n_out[1] = n_steps;
-  return static_cast<int64_t>(out.size());
+  return n_steps;
 }
 
 // Positions after one step of moves (follow_torch's loop body): each position equal to a moved

@@ -1,8 +1,9 @@
 """Cuckoo moves: free one slot in each full bucket of a list by moving one of its keys to its
 other candidate bucket, recursively up to a depth (docs/design/0006).
 
-The plain-torch twin is ``BatchPlacement._move_out`` (:mod:`dynemb.table.placement`);
-``move_out_native`` runs ``move.cpp`` and makes the same moves in the same order.
+The plain-torch twins are ``BatchPlacement._make_room`` and its ``_move_out``
+(:mod:`dynemb.table.placement`); ``make_room_native`` runs ``move.cpp`` in one call (the
+pending keys' buckets, the same moves in the same order, which keys have room now).
 
 Slots known before the moves (the batch's found keys, the new keys placed) follow them:
 ``follow_torch`` (a sort and a binary search per step) and ``follow_native`` (``dyn_follow``: a
@@ -19,39 +20,37 @@ from dynemb.kernels import library, ptr, slot_step, threads
 MAX_DEPTH = 2
 
 
-def move_out_native(
+def make_room_native(
     table_keys: torch.Tensor,
     tags: torch.Tensor,
     table_rows: torch.Tensor,
     table_scores: torch.Tensor,
     segments,
-    buckets: torch.Tensor,
+    keys: torch.Tensor,
+    seg: torch.Tensor | None,
     depth: int,
     deep_limit: int,
-) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Move keys out of the full buckets of ``buckets`` ([Q] distinct); the index's slots are
-    written in place.
+) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``BatchPlacement._make_room`` of P pending keys (``seg``: their segments or None) by
+    ``dyn_make_room``: the same moves in the same order, the same room and stuck flags. The
+    index must have a free slot (the method returns early otherwise).
 
-    Args:
-        table_keys (Tensor[int64]), tags (Tensor[uint8], 0 where empty), table_rows (Tensor[int32|int64]),
-            table_scores (Tensor[int32|int64]): [B, W] the index's slots.
-        segments: the index's :class:`dynemb.table.geometry.Segments`.
-        depth: at most :data:`MAX_DEPTH`; deep_limit: buckets explored one level deeper.
     Returns:
-        The buckets none of whose keys could move ([S] int64) and the moves, one (from, to) pair
-        of [m] slot tensors per invocation that met a full bucket, in call order.
+        room, stuck (Tensor[bool]): [P] as ``_make_room``; moves: (from, to) slot tensors, one
+        pair per step, in the order applied.
     """
     if depth > MAX_DEPTH:
         raise ValueError(f"depth={depth}: the move kernel covers chains of at most {MAX_DEPTH}")
-    buckets = buckets.contiguous()
-    q, W = buckets.numel(), table_keys.shape[1]
-    capacity = q * (W + 2)
-    stuck = torch.empty(q, dtype=torch.int64)
+    keys = keys.contiguous()
+    seg = None if seg is None else seg.contiguous()
+    p, W = keys.numel(), table_keys.shape[1]
+    capacity = 2 * p * (W + 2)
+    room, stuck = torch.empty(p, dtype=torch.bool), torch.empty(p, dtype=torch.bool)
     src, dst = torch.empty(capacity, dtype=torch.int64), torch.empty(capacity, dtype=torch.int64)
     steps = torch.empty(8, dtype=torch.int64)
     n_out = torch.zeros(2, dtype=torch.int64)
     of_bucket = segments.of_bucket
-    s = library().dyn_move_out(
+    s = library().dyn_make_room(
         ptr(table_keys),
         slot_step(table_keys),
         ptr(tags),
@@ -66,10 +65,12 @@ def move_out_native(
         ptr(of_bucket),
         None if of_bucket is None else ptr(segments.counts),
         None if of_bucket is None else ptr(segments.offsets),
-        ptr(buckets),
-        q,
+        ptr(keys),
+        ptr(seg),
+        p,
         depth,
         deep_limit,
+        ptr(room),
         ptr(stuck),
         ptr(src),
         ptr(dst),
@@ -81,10 +82,10 @@ def move_out_native(
     if s < 0:
         raise RuntimeError("move kernel: more moves than its output bounds (a bug: the index is unchanged only if none ran)")
     moves, start = [], 0
-    for n in steps[: int(n_out[1])].tolist():
+    for n in steps[:s].tolist():
         moves.append((src[start : start + n], dst[start : start + n]))
         start += n
-    return stuck[:s], moves
+    return room, stuck, moves
 
 
 def follow_torch(positions: torch.Tensor, moves: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

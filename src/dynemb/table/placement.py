@@ -22,7 +22,7 @@ from dynemb.hashing import tag_of
 from dynemb.kernels.dedup import sort_unique_first_native
 from dynemb.kernels.evict import evict_for_native
 from dynemb.kernels.move import MAX_DEPTH as MOVE_KERNEL_DEPTH
-from dynemb.kernels.move import follow_native, follow_torch, move_out_native
+from dynemb.kernels.move import follow_native, follow_torch, make_room_native
 from dynemb.kernels.place import place_free_native
 from dynemb.kernels.rows import put_rows_native, rows_of_new_native
 from dynemb.kernels.upsert import found_and_missing_native
@@ -359,6 +359,8 @@ class BatchPlacement:
         if free == 0:
             nothing = torch.zeros_like(keys, dtype=torch.bool)
             return nothing, ~nothing, moves
+        if self.native and MOVE_DEPTH <= MOVE_KERNEL_DEPTH:
+            return make_room_native(self._keys, self._tags, self._rows, self._scores, self._segments, keys, seg, MOVE_DEPTH, free)
         b1, b2 = self._buckets(keys, seg)
         needy = torch.unique(torch.cat([b1, b2]))  # [Q]
         # Chains of two moves look at W times more keys; they are tried for at most as many
@@ -378,10 +380,6 @@ class BatchPlacement:
         Returns:
             Tensor[int64]: [S] the buckets none of whose keys could move.
         """
-        if self.native and depth <= MOVE_KERNEL_DEPTH:
-            stuck, made = move_out_native(self._keys, self._tags, self._rows, self._scores, self._segments, buckets, depth, deep_limit)
-            moves.extend(made)
-            return stuck
         W = self.bucket_capacity
         full = buckets[(self._tags.index_select(0, buckets) != 0).all(1)]  # [F]
         F = full.numel()
