@@ -1,6 +1,6 @@
-"""In-process A/B of two dynemb trees' KeyIndex: find_or_insert (10% new keys) and insert (all
-new) of 65,536 keys at one load factor, the two indexes' calls alternating, their results
-compared.
+"""In-process A/B of two dynemb trees' KeyIndex: find (present keys), find_or_insert (10% new
+keys) and insert (all new) of 65,536 keys at one load factor, the two indexes' calls alternating,
+their results compared.
 
 Separate processes on this machine differ by 10-25% in speed (perf-log); two trees in one process
 share its state. The other tree's ``src/dynemb`` is copied as a package named ``dynemb_other``
@@ -66,12 +66,13 @@ def main() -> None:
     trees = {"this": dynemb, "other": import_other(args.other)}
     built = {name: filled(module, args.load) for name, module in trees.items()}
     present, now = built["this"][1], built["this"][2]
-    times = {(op, name): [] for op in ("find_or_insert", "insert") for name in trees}
+    times = {(op, name): [] for op in ("find", "find_or_insert", "insert") for name in trees}
     g = torch.Generator().manual_seed(0)
     for call in range(args.calls):
         fresh = distinct_keys(FRESH_BASE + call * N, int(NEW_FRACTION * N))
         mixed = torch.cat([scramble(torch.randint(0, present, (N - fresh.numel(),), generator=g)), fresh])
-        queries = {"find_or_insert": (mixed[torch.randperm(N, generator=g)], fresh)}
+        queries = {"find": (scramble(torch.randint(0, present, (N,), generator=g)), None)}
+        queries["find_or_insert"] = (mixed[torch.randperm(N, generator=g)], fresh)
         new = distinct_keys(FRESH_BASE + (1 << 30) + call * N, N)
         queries["insert"] = (new, new)
         now += 1
@@ -81,10 +82,11 @@ def main() -> None:
             for name in names:
                 index = built[name][0]
                 t0 = time.perf_counter()
-                results[name] = index.find_or_insert(keys, now=now)
+                results[name] = index.find(keys)[0] if leaving is None else index.find_or_insert(keys, now=now).rows
                 times[(op, name)].append(time.perf_counter() - t0)
-                index.erase(leaving)
-            assert torch.equal(results["this"].rows, results["other"].rows), "the trees disagree"
+                if leaving is not None:
+                    index.erase(leaving)
+            assert torch.equal(results["this"], results["other"]), "the trees disagree"
     for (op, name), t in sorted(times.items()):
         t.sort()
         median = t[len(t) // 2]
