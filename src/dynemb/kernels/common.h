@@ -8,6 +8,16 @@
 #include <emmintrin.h>
 #endif
 
+// Float loops built twice, for any x86-64 CPU (SSE2) and for AVX2, the one to run chosen when
+// the library loads (GCC's target_clones; OpenMP's outlined bodies are cloned with them). The
+// arithmetic is the same in both (no FMA contraction, -ffp-contract=off; no reordered sums), so
+// their results are bitwise the same. Elsewhere (other compilers or architectures) one build.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define DYN_FLOAT_KERNEL __attribute__((target_clones("avx2", "default")))
+#else
+#define DYN_FLOAT_KERNEL
+#endif
+
 namespace dynemb {
 
 inline uint64_t mix64(uint64_t x) {

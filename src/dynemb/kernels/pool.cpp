@@ -51,7 +51,7 @@ extern "C" int64_t dyn_copy_bags(
 // Native twin of pool.py's sum_bags_torch: each unique row's gradient, the sum of the D-float
 // slices of the concat gradient its ids point at, added in the ids' order (the order
 // embedding_bag's sum takes). U unique rows, N ids, float32.
-extern "C" int64_t dyn_sum_bags(
+extern "C" DYN_FLOAT_KERNEL int64_t dyn_sum_bags(
     const float* grad,         // the concat gradient as unit rows [B * K, u]
     int64_t unit,              // u: floats per unit row
     const int64_t* first_row,  // [N] the unit row where id n's D floats begin

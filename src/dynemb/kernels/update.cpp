@@ -27,7 +27,7 @@ static inline bool all_finite(const float* x, int64_t n) {
   return bad == 0;
 }
 
-extern "C" int64_t dyn_rows_update(
+extern "C" DYN_FLOAT_KERNEL int64_t dyn_rows_update(
     float* table,        // [R, width] the store's rows
     int64_t width,
     const int64_t* rows, // [U] row ids, distinct, each in [0, R)
