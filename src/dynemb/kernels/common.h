@@ -103,41 +103,49 @@ inline int popcount64(uint64_t x) {
   return static_cast<int>((x * 0x0101010101010101ULL) >> 56);
 }
 
-// Empty slots of bucket ``bucket`` (tag 0).
-inline int64_t free_in(const uint8_t* tags, int64_t bucket, int64_t W) {
-  int64_t f = 0, j = 0;
-#ifdef __SSE2__
-  for (; j + 16 <= W; j += 16)
-    f += popcount64(static_cast<unsigned>(
-        _mm_movemask_epi8(_mm_cmpeq_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tags + bucket * W + j)), _mm_setzero_si128()))));
-#endif
-  for (; j < W; ++j) f += tags[bucket * W + j] == 0;
-  return f;
-}
-
-// Most slots a bucket may have for free_mask.
-constexpr int64_t MASK_SLOTS = 64;
-
-// Bit j set where slot j of bucket ``bucket`` is empty (tag 0), for W <= MASK_SLOTS.
-inline uint64_t free_mask(const uint8_t* tags, int64_t bucket, int64_t W) {
-  const uint8_t* t = tags + bucket * W;
-  uint64_t m = 0;
-  int64_t j = 0;
-#ifdef __SSE2__
-  for (; j + 16 <= W; j += 16)
-    m |= static_cast<uint64_t>(static_cast<unsigned>(_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + j)), _mm_setzero_si128()))))
-         << j;
-#endif
-  for (; j < W; ++j) m |= static_cast<uint64_t>(t[j] == 0) << j;
-  return m;
-}
-
 // Bit j set where tags[j] == t, for the 16 tags at ``tags``.
 #ifdef __SSE2__
 inline unsigned tag_mask16(const uint8_t* tags, __m128i t) {
   return static_cast<unsigned>(_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tags)), t)));
 }
 #endif
+
+// Empty slots of bucket ``bucket`` (tag 0).
+inline int64_t free_in(const uint8_t* tags, int64_t bucket, int64_t W) {
+  int64_t f = 0, j = 0;
+#ifdef __SSE2__
+  for (; j + 16 <= W; j += 16) f += popcount64(tag_mask16(tags + bucket * W + j, _mm_setzero_si128()));
+#endif
+  for (; j < W; ++j) f += tags[bucket * W + j] == 0;
+  return f;
+}
+
+// Most slots a bucket may have for a bit mask of its free slots.
+constexpr int64_t MASK_SLOTS = 64;
+
+// A bucket's empty slots: how many, and the first of them (-1: none).
+struct FreeSlots {
+  int64_t count, first;
+};
+
+// FreeSlots of bucket ``bucket``: from a bit mask of its tags (bit j set where slot j is empty)
+// for buckets of up to MASK_SLOTS slots, with no loop over the slots and no branch per slot;
+// wider buckets slot by slot.
+inline FreeSlots free_slots(const uint8_t* tags, int64_t bucket, int64_t W) {
+  const uint8_t* t = tags + bucket * W;
+  if (W > MASK_SLOTS) {
+    int64_t first = 0;
+    while (first < W && t[first]) ++first;
+    return {free_in(tags, bucket, W), first < W ? first : -1};
+  }
+  uint64_t m = 0;
+  int64_t j = 0;
+#ifdef __SSE2__
+  for (; j + 16 <= W; j += 16) m |= static_cast<uint64_t>(tag_mask16(t + j, _mm_setzero_si128())) << j;
+#endif
+  for (; j < W; ++j) m |= static_cast<uint64_t>(t[j] == 0) << j;
+  return {popcount64(m), m ? static_cast<int64_t>(__builtin_ctzll(m)) : -1};
+}
 
 // The slot of ``key`` among bucket ``base``'s W slots (its tag ``t``), or -1: the first slot whose
 // tag and key match. A used slot always holds its key's tag, so this is the first used slot

@@ -99,9 +99,6 @@ extern "C" int64_t dyn_place_free(
   const KeyCol slot_keys(table_keys, key_step);
   const IntCol slot_scores(table_scores, score_bytes, score_step);
   const bool packed = same_record(slot_keys, slot_scores);
-  // Buckets of at most MASK_SLOTS slots: free slots read from a bit mask of the tags (no loop
-  // over the slots, no mispredicted branch per slot).
-  const bool masks = W <= MASK_SLOTS;
   int64_t n_todo = n, n_placed = 0;
   int round_no = 0;
   // own[a * nt + r]: keys of thread a's share of the round (pass A) whose bucket is in range r.
@@ -128,17 +125,8 @@ extern "C" int64_t dyn_place_free(
           __builtin_prefetch(tags + b2[todo[t + AHEAD]] * W);
         }
         const int64_t i = todo[t];
-        uint64_t m1 = 0, m2 = 0;
-        int64_t f1, f2;
-        if (masks) {
-          m1 = free_mask(tags, b1[i], W);
-          m2 = free_mask(tags, b2[i], W);
-          f1 = popcount64(m1);
-          f2 = popcount64(m2);
-        } else {
-          f1 = free_in(tags, b1[i], W);
-          f2 = free_in(tags, b2[i], W);
-        }
+        const FreeSlots s1 = free_slots(tags, b1[i], W), s2 = free_slots(tags, b2[i], W);
+        const int64_t f1 = s1.count, f2 = s2.count;
         if (f1 == 0 && f2 == 0) {
           chosen[i] = -1;
           continue;
@@ -152,14 +140,8 @@ extern "C" int64_t dyn_place_free(
         // last slot when none is: the last round may try a full bucket), whose line alone pass
         // B requests.
         if (packed) {
-          int64_t j = 0;
-          if (masks) {
-            const uint64_t m = take_second ? m2 : m1;
-            j = m ? __builtin_ctzll(m) : W - 1;
-          } else {
-            while (j < W - 1 && tags[chosen[i] * W + j]) ++j;
-          }
-          likely[i] = chosen[i] * W + j;
+          const int64_t first = (take_second ? s2 : s1).first;
+          likely[i] = chosen[i] * W + (first >= 0 ? first : W - 1);
         }
         ++mine[range_of(chosen[i])];
       }
@@ -189,19 +171,8 @@ extern "C" int64_t dyn_place_free(
         // The key's rank among this round's keys of its bucket is how many of the bucket's free
         // slots the round has taken so far: every earlier key of the bucket took one, until one
         // did not fit (from then on the rank is at the limit, and no later key fits either).
-        int64_t slot = -1, free_now = 0;
-        if (masks) {
-          const uint64_t m = free_mask(tags, b, W);
-          free_now = popcount64(m);
-          if (m) slot = b * W + __builtin_ctzll(m);
-        } else {
-          for (int64_t j = W - 1; j >= 0; --j) {
-            if (!tags[b * W + j]) {
-              slot = b * W + j;
-              ++free_now;
-            }
-          }
-        }
+        const FreeSlots now = free_slots(tags, b, W);
+        const int64_t free_now = now.count, slot = now.first >= 0 ? b * W + now.first : -1;
         const int64_t limit = halve ? (nfree[i] + 1) / 2 : nfree[i];
         if (nfree[i] - free_now >= limit) continue;
         write_slot(slot_keys, tags, slot_scores, slot, keys[i], scores[i]);
