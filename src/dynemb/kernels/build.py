@@ -22,7 +22,7 @@ I64, PTR, F64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
 # d a double. The C side returns int64 (a count or 0) from every function.
 SIGNATURES = {
     "dyn_locate": "pipiippppipppiipi",
-    "dyn_place_free": "pippppiiiipppippppipi",
+    "dyn_place_free": "pippppiiiipppippppipppi",
     "dyn_dedup": "pippppppipi",
     "dyn_sort_unique": "pipppppppppi",
     "dyn_rows_at": "piipipi",
@@ -34,7 +34,7 @@ SIGNATURES = {
     "dyn_make_room": "pippiipiiiipppppiiippppipip",
     "dyn_follow": "pipppi",
     "dyn_evict_for": "pippiiiipppppipiippppi",
-    "dyn_upsert_found": "pippiiiipiippppippiippppi",
+    "dyn_upsert_found": "pippiiiipiippppippiipppppi",
     "dyn_copy_bags": "piiipppppi",
     "dyn_sum_bags": "pipppiiipi",
 }

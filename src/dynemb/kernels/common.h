@@ -128,15 +128,14 @@ struct FreeSlots {
   int64_t count, first;
 };
 
-// FreeSlots of bucket ``bucket``: from a bit mask of its tags (bit j set where slot j is empty)
+// FreeSlots of the bucket whose W tags start at ``t`` (free_slots: of bucket ``bucket``): from a bit mask of its tags (bit j set where slot j is empty)
 // for buckets of up to MASK_SLOTS slots, with no loop over the slots and no branch per slot;
 // wider buckets slot by slot.
-inline FreeSlots free_slots(const uint8_t* tags, int64_t bucket, int64_t W) {
-  const uint8_t* t = tags + bucket * W;
+inline FreeSlots free_slots_at(const uint8_t* t, int64_t W) {
   if (W > MASK_SLOTS) {
     int64_t first = 0;
     while (first < W && t[first]) ++first;
-    return {free_in(tags, bucket, W), first < W ? first : -1};
+    return {free_in(t, 0, W), first < W ? first : -1};
   }
   uint64_t m = 0;
   int64_t j = 0;
@@ -145,6 +144,24 @@ inline FreeSlots free_slots(const uint8_t* tags, int64_t bucket, int64_t W) {
 #endif
   for (; j < W; ++j) m |= static_cast<uint64_t>(t[j] == 0) << j;
   return {popcount64(m), m ? static_cast<int64_t>(__builtin_ctzll(m)) : -1};
+}
+
+inline FreeSlots free_slots(const uint8_t* tags, int64_t bucket, int64_t W) { return free_slots_at(tags + bucket * W, W); }
+
+// Both candidates' FreeSlots of a key packed in one int64 (16 bits each: the counts, then the
+// first free slots + 1), for buckets of at most PACKED_FREE_MAX_W slots: what the upsert's probe
+// saw, handed to the first placement round so that it need not read the tag lines again.
+constexpr int64_t PACKED_FREE_MAX_W = 65534;
+
+inline int64_t pack_free(FreeSlots a, FreeSlots b) {
+  return static_cast<int64_t>(static_cast<uint64_t>(a.count) | static_cast<uint64_t>(b.count) << 16 |
+                              static_cast<uint64_t>(a.first + 1) << 32 | static_cast<uint64_t>(b.first + 1) << 48);
+}
+
+// The FreeSlots of candidate ``which`` (0: the first, 1: the second) from pack_free's value.
+inline FreeSlots unpack_free(int64_t packed, int which) {
+  const uint64_t v = static_cast<uint64_t>(packed);
+  return {static_cast<int64_t>((v >> (16 * which)) & 0xFFFF), static_cast<int64_t>((v >> (32 + 16 * which)) & 0xFFFF) - 1};
 }
 
 // The slot of ``key`` among bucket ``base``'s W slots (its tag ``t``), or -1: the first slot whose

@@ -125,11 +125,17 @@ def sort_unique_first_torch(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 def sort_unique_first_native(keys: torch.Tensor, *, workspace=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`sort_unique_first_torch` by ``dyn_sort_unique`` (bitwise the same): the first
-    places come out of the sort's last pass, which meets each key's inputs in input order."""
+    places come out of the sort's last pass, which meets each key's inputs in input order.
+    With a ``workspace`` the outputs are views of its buffers, valid until the next call with it
+    (no fresh [N] tensors to page in)."""
     keys = keys.contiguous()
     n = keys.numel()
-    unique, inverse, counts, first = (torch.empty(n, dtype=torch.int64) for _ in range(4))
-    scratch = torch.empty(2 * n, dtype=torch.int64) if workspace is None else workspace.get("sort_unique", 2 * n, (), torch.int64)
+    if workspace is None:
+        unique, inverse, counts, first = (torch.empty(n, dtype=torch.int64) for _ in range(4))
+        scratch = torch.empty(2 * n, dtype=torch.int64)
+    else:
+        unique, inverse, counts, first = (workspace.get(f"sort_unique_first.{name}", n, (), torch.int64) for name in ("unique", "inverse", "counts", "first"))
+        scratch = workspace.get("sort_unique", 2 * n, (), torch.int64)
     u = library().dyn_sort_unique(ptr(keys), n, ptr(unique), ptr(inverse), ptr(counts), None, ptr(scratch), None, None, None, ptr(first), threads())
     return unique[:u], inverse, first[:u]
 

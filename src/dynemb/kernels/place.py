@@ -28,6 +28,9 @@ def place_free_native(
     seg: torch.Tensor | None,
     workspace,
     per_segment: torch.Tensor | None = None,
+    keep: str | None = None,
+    pre_free: torch.Tensor | None = None,
+    pre_at: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Write keys and scores into free slots (in place) and say where.
 
@@ -40,6 +43,12 @@ def place_free_native(
         workspace: a :class:`dynemb.workspace.Workspace` for the kernel's [8P] scratch.
         per_segment (Tensor[int64] | None): [S] with ``seg``: each segment's placed keys are
             added to it (the index's counters, without mapping slots back to segments).
+        keep (str | None): a name: ``pos`` and ``order`` are then views of ``workspace``
+            buffers of that name, valid until its next call with the same name.
+        pre_free, pre_at (Tensor[int64] | None): the first round's free slots of key i's
+            candidates, ``pre_free[pre_at[i]]`` (from
+            :func:`dynemb.kernels.upsert.found_and_missing_native` on the table as it is now),
+            so that the round does not read the tag lines again; None: read them.
     Returns:
         pos (Tensor[int64]): [P] slot taken, -1 where not placed.
         order (Tensor[int64]): [M] the M slots taken, in the order row ids are handed out
@@ -48,10 +57,13 @@ def place_free_native(
             twin asks the free list for each round's row ids in turn.
     """
     keys, scores = keys.contiguous(), scores.contiguous()
+    pre_at = None if pre_free is None else pre_at.contiguous()
     seg = None if seg is None else seg.contiguous()
     n = keys.numel()
-    pos = torch.empty(n, dtype=torch.int64)
-    order = torch.empty(n, dtype=torch.int64)
+    if keep is None:
+        pos, order = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
+    else:
+        pos, order = (workspace.get(f"{keep}.{name}", n, (), torch.int64) for name in ("pos", "order"))
     rounds = torch.zeros(MAX_ROUNDS, dtype=torch.int64)
     cap = 8 * n
     m = library().dyn_place_free(
@@ -75,6 +87,8 @@ def place_free_native(
         ptr(workspace.get("place", cap, (), torch.int64)),
         cap,
         ptr(per_segment),
+        ptr(pre_free),
+        ptr(pre_at),
         threads(),
     )
     return pos, order[:m], [r for r in rounds.tolist() if r]

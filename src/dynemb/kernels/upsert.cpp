@@ -38,6 +38,8 @@ extern "C" int64_t dyn_upsert_found(
     int64_t* pos, bool* found,     // [U] out
     int64_t* missing,              // [U] out: the first M entries
     int64_t* rows_out,             // [U] out or null: row id of each found key, -1 where missing
+    int64_t* free_info,            // [U] out or null: each missing key's pack_free of its two
+                                   // candidates (W <= PACKED_FREE_MAX_W; filled without lfu_add only)
     int64_t nthreads) {
   const KeyCol slot_keys(table_keys, key_step);
   const IntCol scores(table_scores, score_bytes, score_step), rows(table_rows, row_bytes, row_step);
@@ -55,7 +57,7 @@ extern "C" int64_t dyn_upsert_found(
       const int64_t lo = blk * PROBE_BLOCK, len = lo + PROBE_BLOCK < n ? PROBE_BLOCK : n - lo;
       int64_t* at = pos + lo;
       // The score line of each key's likely slot is requested with its key line.
-      probe_block(slot_keys, tags, W, cand, keys + lo, lo, len, at, &scores);
+      probe_block(slot_keys, tags, W, cand, keys + lo, lo, len, at, &scores, free_info ? free_info + lo : nullptr);
       for (int64_t i = 0; i < len; ++i) {
         found[lo + i] = at[i] >= 0;
         if (at[i] >= 0) scores.set(at[i], batch_scores[lo + i]);

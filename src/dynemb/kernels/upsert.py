@@ -13,6 +13,9 @@ import torch
 
 from dynemb.kernels import library, ptr, slot_step, threads
 
+# As common.h: the widest bucket whose free slots pack_free can hold.
+PACKED_FREE_MAX_W = 65534
+
 
 def found_and_missing_native(
     table_keys: torch.Tensor,
@@ -26,11 +29,13 @@ def found_and_missing_native(
     lfu_add: bool,
     uniform: bool,
     table_rows: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """Returns pos [U] (-1 where missing), found [U], missing [M] (indices into keys) and, with
-    ``table_rows`` ([B, W] int32 or int64), the found keys' row ids ([U] int64, -1 where
-    missing; read in the probe, from the score's line when the slots are packed), else None;
-    None in all when a score of this call does not fit ``table_scores``' int32 (then nothing
+    workspace=None,
+    free_info: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+    """Returns pos [U] (-1 where missing), found [U], missing [M] (indices into keys), with
+    ``table_rows`` ([B, W] int32 or int64) the found keys' row ids ([U] int64, -1 where
+    missing; read in the probe, from the score's line when the slots are packed), else None,
+    and the free slots asked for with ``free_info`` (else None); None in all when a score of this call does not fit ``table_scores``' int32 (then nothing
     was written).
 
     Args:
@@ -39,14 +44,23 @@ def found_and_missing_native(
         segments: the index's :class:`dynemb.table.geometry.Segments`.
         keys (Tensor[int64]): [U] distinct; seg (Tensor[int64] | None): [U] their segments.
         batch_scores, counts (Tensor[int64]): [U] this call's score and count of each key.
+        workspace: a :class:`dynemb.workspace.Workspace` or None; with one, ``missing`` (and
+            the free slots below) are views of its buffers, valid until the next call with it.
+        free_info: also return, for each missing key, its two candidate buckets' free slots as
+            the probe saw them ([U] int64, ``pack_free`` of common.h, meaningful at the missing
+            keys), for :func:`dynemb.kernels.place.place_free_native`'s first round; None when
+            not asked for, with ``lfu_add`` or with buckets too wide to pack.
     """
     keys, batch_scores, counts = keys.contiguous(), batch_scores.contiguous(), counts.contiguous()
     seg = None if seg is None else seg.contiguous()
     n = keys.numel()
     pos = torch.empty(n, dtype=torch.int64)
     found = torch.empty(n, dtype=torch.bool)
-    missing = torch.empty(n, dtype=torch.int64)
+    missing = torch.empty(n, dtype=torch.int64) if workspace is None else workspace.get("missing", n, (), torch.int64)
     rows = None if table_rows is None else torch.empty(n, dtype=torch.int64)
+    info = None
+    if free_info and not lfu_add and table_keys.shape[1] <= PACKED_FREE_MAX_W:
+        info = torch.empty(n, dtype=torch.int64) if workspace is None else workspace.get("free_info", n, (), torch.int64)
     m = library().dyn_upsert_found(
         ptr(table_keys),
         slot_step(table_keys),
@@ -72,6 +86,7 @@ def found_and_missing_native(
         ptr(found),
         ptr(missing),
         ptr(rows),
+        ptr(info),
         threads(),
     )
-    return None if m < 0 else (pos, found, missing[:m], rows)
+    return None if m < 0 else (pos, found, missing[:m], rows, info)

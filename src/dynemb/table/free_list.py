@@ -41,8 +41,10 @@ class FreeList:
         """Ids handed out and not released."""
         return self.high_water - self._top
 
-    def allocate(self, n: int) -> torch.Tensor:
-        """``n`` distinct free ids (Tensor[int64]: [n]); raises if fewer are free."""
+    def allocate(self, n: int, *, borrow: bool = False) -> torch.Tensor:
+        """``n`` distinct free ids (Tensor[int64]: [n]); raises if fewer are free. ``borrow``:
+        reused ids may come as a view of the stack, valid until the next ``release`` (for a
+        caller that copies them at once: no fresh [n] tensor)."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"n={n!r}: must be an int >= 0")
         if n > self.num_free():
@@ -55,7 +57,7 @@ class FreeList:
             new = torch.arange(self.high_water, self.high_water + fresh, dtype=torch.int64, device=self.device)
             self.high_water += fresh
             ids = torch.cat([ids, new]) if reused else new
-        return ids.clone() if reused and not fresh else ids
+        return ids.clone() if reused and not fresh and not borrow else ids
 
     def release(self, rows: torch.Tensor) -> None:
         """Take back distinct ids (Tensor[int64]: [n]) that were handed out."""

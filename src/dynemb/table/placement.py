@@ -74,17 +74,22 @@ class BatchPlacement:
         if not (distinct or uniform):
             raise AssertionError("repeated keys are probed as they come only under one clock value")
         found_rows = None  # [U] the found keys' row ids (-1 for the missing), where the probe read them
+        pre_free = None  # [U] the missing keys' candidates' free slots, where the probe read them
         if self.native:
-            pos, found, missing, found_rows = self._found_and_missing_native(unique, counts, batch_scores, lfu_add, uniform, seg)
+            pos, found, missing, found_rows, pre_free = self._found_and_missing_native(unique, counts, batch_scores, lfu_add, uniform, seg)
         else:
             pos, found, missing = self._found_and_missing(unique, counts, batch_scores, lfu_add, uniform, seg)
         occurrences, spread = missing, None  # with repeated keys: [M'] every missing key's place, [M'] its rank
         if distinct or missing.numel() == 0:
             new_keys, new_seg = unique.index_select(0, missing), _pick(seg, missing)
         elif self.native and seg is None:
-            # As below, the compiled sort also giving each key's first place among the missing.
-            new_keys, spread, first = sort_unique_first_native(unique.index_select(0, missing), workspace=self._workspace)
-            new_seg, missing = None, occurrences.index_select(0, first)  # [M] one place of each
+            # As below, the compiled sort also giving each key's first place among the missing;
+            # the [M'] temporaries are views of the workspace (no fresh pages to fault in).
+            ws = self._workspace
+            missing_keys = torch.index_select(unique, 0, missing, out=ws.get("missing.keys", missing.numel(), (), torch.int64))
+            new_keys, spread, first = sort_unique_first_native(missing_keys, workspace=ws)
+            new_seg = None
+            missing = torch.index_select(occurrences, 0, first, out=ws.get("missing.first", first.numel(), (), torch.int64))  # [M] one place of each
         else:
             # The distinct missing keys in ascending order: the priority order of one clock value.
             new_keys, new_seg, spread, _ = self._dedup(unique.index_select(0, missing), _pick(seg, missing))
@@ -93,10 +98,12 @@ class BatchPlacement:
         new_scores = batch_scores[: missing.numel()] if uniform else batch_scores.index_select(0, missing)
         if self._grow_before(missing.numel(), new_seg):
             pos, _ = self._locate(unique, seg)
+            pre_free = None  # read before the keys moved
         pending = new_pos = missing  # [M] ranks not placed yet and slots (none when every key was found)
         if missing.numel():
             # The first placement pass places every key in the common case (room in its buckets).
-            placed, new_pos = self._place_free(new_keys, new_scores, new_seg)  # [M] each; new_pos: slot once placed, -1 before
+            # [M] each; new_pos: slot once placed, -1 before
+            placed, new_pos = self._place_free(new_keys, new_scores, new_seg, keep="place.first", pre_free=pre_free, pre_at=missing)
             waiting = ~placed  # [M] not placed yet
             pending = waiting.nonzero().squeeze(1)
             if pending.numel():
@@ -231,24 +238,39 @@ class BatchPlacement:
 
     def _found_and_missing_native(
         self, unique: torch.Tensor, counts: torch.Tensor, batch_scores: torch.Tensor, lfu_add: bool, uniform: bool, seg: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:meth:`_found_and_missing` by the compiled kernel (bitwise the same), and the found
-        keys' row ids ([U] int64, -1 for the missing keys), read in the probe."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """:meth:`_found_and_missing` by the compiled kernel (bitwise the same), the found
+        keys' row ids ([U] int64, -1 for the missing keys), read in the probe, and the missing
+        keys' candidates' free slots as the probe saw them ([U] int64, or None)."""
         args = (self._segments, unique, seg, batch_scores, counts, lfu_add, uniform)
-        got = found_and_missing_native(self._keys, self._tags, self._scores, *args, self._rows)
+        got = found_and_missing_native(self._keys, self._tags, self._scores, *args, self._rows, self._workspace, free_info=True)
         if got is None:
             # A score of this call does not fit int32 (nothing was written): widen, then redo.
             self._widen_scores()
-            got = found_and_missing_native(self._keys, self._tags, self._scores, *args, self._rows)
+            got = found_and_missing_native(self._keys, self._tags, self._scores, *args, self._rows, self._workspace, free_info=True)
         return got
 
-    def _place_free(self, keys: torch.Tensor, scores: torch.Tensor, seg: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _place_free(
+        self,
+        keys: torch.Tensor,
+        scores: torch.Tensor,
+        seg: torch.Tensor | None = None,
+        keep: str | None = None,
+        pre_free: torch.Tensor | None = None,
+        pre_at: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Put P keys (in priority order) into free slots of their candidate buckets.
 
         A batch places its keys in rounds, each key going to its candidate with more free slots;
         while keys compete, a bucket takes at most half of its free slots per round, so a batch
         spreads over both candidates the way keys inserted one by one would. Then a round fills
         the preferred candidate completely, and a last one the other candidate.
+
+        ``keep`` (native): a workspace name for ``pos``, which is then a view valid until the next
+        call with that name (the upsert's first pass: no fresh [P] pages to fault in).
+        ``pre_free``, ``pre_at`` (native): the free slots of key i's candidates as the upsert's
+        probe read them, ``pre_free[pre_at[i]]`` (see
+        :func:`dynemb.kernels.place.place_free_native`); only while the index is unchanged since.
 
         Returns:
             placed (Tensor[bool]): [P]
@@ -257,7 +279,7 @@ class BatchPlacement:
         if self._size == self.current_capacity():
             return torch.zeros_like(keys, dtype=torch.bool), torch.full_like(keys, -1)
         if self.native:
-            return self._place_free_native(keys, scores, seg)
+            return self._place_free_native(keys, scores, seg, keep, pre_free, pre_at)
         placed = torch.zeros_like(keys, dtype=torch.bool)
         pos = torch.full_like(keys, -1)
         b1, b2 = self._buckets(keys, seg)
@@ -290,13 +312,23 @@ class BatchPlacement:
         one_round(halve=False, other=True)
         return placed, pos
 
-    def _place_free_native(self, keys: torch.Tensor, scores: torch.Tensor, seg: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _place_free_native(
+        self,
+        keys: torch.Tensor,
+        scores: torch.Tensor,
+        seg: torch.Tensor | None,
+        keep: str | None = None,
+        pre_free: torch.Tensor | None = None,
+        pre_at: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_place_free` by the compiled kernel (same slots, same row ids)."""
         # The kernel counts each segment's placed keys (no slot -> segment mapping afterwards).
         per_segment = None if seg is None else torch.zeros(self.num_segments, dtype=torch.int64)
-        pos, order, rounds = place_free_native(self._keys, self._tags, self._scores, self._segments, keys, scores, seg, self._workspace, per_segment)
-        # One free-list call per round, as _fill makes: the row ids each slot gets match.
-        ids = [self.free_list.allocate(n) for n in rounds]
+        ws = self._workspace
+        pos, order, rounds = place_free_native(self._keys, self._tags, self._scores, self._segments, keys, scores, seg, ws, per_segment, keep, pre_free, pre_at)
+        # One free-list call per round, as _fill makes: the row ids each slot gets match. They
+        # are copied into the slots at once, so reused ids may stay views of the free list.
+        ids = [self.free_list.allocate(n, borrow=True) for n in rounds]
         if ids:
             put_rows_native(self._rows, order, ids[0] if len(ids) == 1 else torch.cat(ids))
         self._size += order.numel()
