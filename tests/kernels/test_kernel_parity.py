@@ -323,7 +323,7 @@ def test_cuckoo_moves_on_both_backends_same_slots(monkeypatch):
 def test_follow_matches_torch(m):
     # Positions through steps of moves: -1, slot 0, huge slots, positions equal to moved slots,
     # a chain (a slot moved in one step moved again in the next) and an empty step.
-    from dynemb.kernels.move import follow_native, follow_torch
+    from dynemb.kernels.move import follow_all_native, follow_native, follow_torch
 
     g = torch.Generator().manual_seed(m)
     src = torch.randperm(1 << 20, generator=g)[: 2 * m] * 4096  # distinct, up to ~2^32
@@ -341,6 +341,14 @@ def test_follow_matches_torch(m):
     assert torch.equal(follow_native(positions, moves), want)
     assert torch.equal(follow_native(positions[:5], moves), want[:5])  # one thread
     assert (want != positions).sum() > positions.numel() // 3  # the moves reached the positions
+    # Two tensors through one hashing of each step, in place (the upsert's found and new slots).
+    a, b = positions.clone(), positions[100:].clone()
+    got = follow_all_native([a, b], moves, inplace=True)
+    assert got[0] is a and got[1] is b
+    assert torch.equal(a, want) and torch.equal(b, want[100:])
+    strided = positions[::2]  # not contiguous: followed in a copy, the input left as it was
+    assert torch.equal(follow_all_native([strided], moves, inplace=True)[0], want[::2])
+    assert torch.equal(strided, positions[::2])
 
 
 @pytest.mark.parametrize("case", ["random", "skewed", "narrow", "extremes"])

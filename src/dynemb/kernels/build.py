@@ -32,7 +32,7 @@ SIGNATURES = {
     "dyn_init_rows": "pippiiipdddi",
     "dyn_candidates": "ppppiippi",
     "dyn_make_room": "pippiipiiiipppppiiippppipip",
-    "dyn_follow": "pipppi",
+    "dyn_follow": "ppipppi",
     "dyn_evict_for": "pippiiiipppppipiippppi",
     "dyn_upsert_found": "pippiiiipiippppippiipppppi",
     "dyn_copy_bags": "piiipppppi",

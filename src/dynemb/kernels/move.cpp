@@ -178,12 +178,15 @@ extern "C" int64_t dyn_make_room(
   return n_steps;
 }
 
-// Positions after one step of moves (follow_torch's loop body): each position equal to a moved
-// slot src[k] becomes dst[k]; the others, and -1, stay. ``src`` are distinct slots (>= 0); they
-// go into an open-addressing table of at least 2m entries, each position is looked up there
-// when a bit set of the moved slots' hashes (about 64 bits a move) says it may be one of them.
-extern "C" int64_t dyn_follow(int64_t* positions, int64_t n, const int64_t* src, const int64_t* dst, int64_t m, int64_t nthreads) {
-  if (m == 0 || n == 0) return 0;
+// Positions after one step of moves (follow_torch's loop body), in each of ``count`` arrays
+// (``arrays[a]``: the address of an int64 array of ``lens[a]`` positions): each position equal
+// to a moved slot src[k] becomes dst[k]; the others, and -1, stay. ``src`` are distinct slots
+// (>= 0); they go into an open-addressing table of at least 2m entries, built once for all the
+// arrays; each position is looked up there when a bit set of the moved slots' hashes (about 64
+// bits a move) says it may be one of them.
+extern "C" int64_t dyn_follow(const int64_t* arrays, const int64_t* lens, int64_t count, const int64_t* src, const int64_t* dst, int64_t m,
+                              int64_t nthreads) {
+  if (m == 0) return 0;
   int64_t size = 1;
   while (size < 2 * m) size <<= 1;
   const int64_t mask = size - 1, bit_mask = 32 * size - 1;
@@ -198,17 +201,21 @@ extern "C" int64_t dyn_follow(int64_t* positions, int64_t n, const int64_t* src,
     from[h] = src[k];
     to[h] = dst[k];
   }
+  for (int64_t a = 0; a < count; ++a) {
+    int64_t* positions = reinterpret_cast<int64_t*>(arrays[a]);
+    const int64_t n = lens[a];
 #pragma omp parallel for schedule(static) num_threads(threads(nthreads, n, 16384))
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t p = positions[i];
-    if (p < 0) continue;
-    const uint64_t x = mix64(static_cast<uint64_t>(p));
-    const int64_t b = static_cast<int64_t>(x >> 32) & bit_mask;
-    if (!((bits[b >> 6] >> (b & 63)) & 1)) continue;
-    for (int64_t h = static_cast<int64_t>(x & mask); from[h] >= 0; h = (h + 1) & mask) {
-      if (from[h] == p) {
-        positions[i] = to[h];
-        break;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t p = positions[i];
+      if (p < 0) continue;
+      const uint64_t x = mix64(static_cast<uint64_t>(p));
+      const int64_t b = static_cast<int64_t>(x >> 32) & bit_mask;
+      if (!((bits[b >> 6] >> (b & 63)) & 1)) continue;
+      for (int64_t h = static_cast<int64_t>(x & mask); from[h] >= 0; h = (h + 1) & mask) {
+        if (from[h] == p) {
+          positions[i] = to[h];
+          break;
+        }
       }
     }
   }

@@ -101,11 +101,20 @@ def follow_torch(positions: torch.Tensor, moves: list[tuple[torch.Tensor, torch.
     return positions
 
 
-def follow_native(positions: torch.Tensor, moves: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """:func:`follow_torch` by ``dyn_follow``, one call a step (bitwise the same)."""
-    out = positions.clone(memory_format=torch.contiguous_format)
+def follow_native(positions: torch.Tensor, moves: list[tuple[torch.Tensor, torch.Tensor]], *, inplace: bool = False) -> torch.Tensor:
+    """:func:`follow_torch` by ``dyn_follow``, one call a step (bitwise the same); ``inplace``:
+    ``positions`` itself is updated (when contiguous) and returned."""
+    return follow_all_native([positions], moves, inplace=inplace)[0]
+
+
+def follow_all_native(tensors: list[torch.Tensor], moves: list[tuple[torch.Tensor, torch.Tensor]], *, inplace: bool = False) -> list[torch.Tensor]:
+    """:func:`follow_native` of several position tensors at once (each step's moves hashed once
+    for all); ``inplace``: each contiguous tensor is updated in place (no fresh copy to page in)."""
+    outs = [t if inplace and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format) for t in tensors]
+    addresses = torch.tensor([t.data_ptr() for t in outs], dtype=torch.int64)
+    lens = torch.tensor([t.numel() for t in outs], dtype=torch.int64)
     for src, dst in moves:
         if src.numel():
             src, dst = src.contiguous(), dst.contiguous()
-            library().dyn_follow(ptr(out), out.numel(), ptr(src), ptr(dst), src.numel(), threads())
-    return out
+            library().dyn_follow(ptr(addresses), ptr(lens), len(outs), ptr(src), ptr(dst), src.numel(), threads())
+    return outs

@@ -14,7 +14,8 @@ import torch
 
 class Lookup:
     """What one training forward hands its backward: the module, the unique keys [U], their rows
-    [U] (-1 where not in the table), the gathered rows [U, D+S], the engine version then, and
+    [U] (-1 where not in the table), the gathered rows [U, D+S] (None where the forward read
+    them from the store in place, see ``DynamicTables._lookup_unique``), the engine version then, and
     for a collection's group its index ``group``, the table of each key ``segments`` [U] and the
     grouping (order [N], starts [U]) of the ids by key when the de-duplication gave it.
 
@@ -31,7 +32,7 @@ class Lookup:
         table,
         keys: torch.Tensor,
         rows: torch.Tensor,
-        data: torch.Tensor,
+        data: torch.Tensor | None,
         version: int,
         repeatable: bool = False,
         *,

@@ -28,7 +28,7 @@ from dynemb.nn.collective import collective
 from dynemb.nn.features import Batch, parse_features
 from dynemb.nn.state import collection_entries, expected_collection_entries, load_collection_entries, load_own_entries
 from dynemb.nn.tables import DynamicTables, TableGroup
-from dynemb.nn.units import UnitLayout, group_gradient, pool
+from dynemb.nn.units import UnitLayout, group_gradient, one_id_per_bag, pool
 from dynemb.optim.base import RowOptimizer
 from dynemb.table.index import unique_pairs
 from dynemb.types import PoolingMode, ScoreStrategy
@@ -242,18 +242,21 @@ class _DynamicCollection(DynamicTables):
     def _table(self, table: str) -> int:
         return self.location(table)[2]
 
-    def _lookup_group(self, group: TableGroup, batch: Batch, failures: list, pooled: bool = False):
+    def _lookup_group(self, group: TableGroup, batch: Batch, failures: list, pooled: bool = False, in_place: bool = False):
         """Dedup, resolve and gather one group's ids. Returns embeddings [U, D] (fused-update
         autograd when training; with ``pooled``, the lookup itself, for :class:`_PooledBags`),
-        the inverse [N_g] of each id and the ids per feature."""
+        the inverse [N_g] of each id and the ids per feature. ``in_place`` (pooled, training):
+        the caller copies the rows from the store itself where it can (the lookup's ``data``
+        is then None: no gather)."""
         engine = self.engines[group.index]
         vals = [batch.values[j] for j in group.features]
         totals = [v.numel() for v in vals]
         # The compiled sort takes CPU keys only (a collection's tables may live on several devices).
         native = engine.device.type == "cpu" and engine.index.native and all(v.device.type == "cpu" for v in vals)
         segs, keys, inverse, counts, grouping = dedup(group, vals, engine.device, native=native, workspace=self._workspace)
-        lookup = self._lookup_unique(group.index, keys, segs, counts, failures, grouping)
-        if self._trains():
+        trains = self._trains()
+        lookup = self._lookup_unique(group.index, keys, segs, counts, failures, grouping, gather=not (in_place and pooled and trains))
+        if trains:
             if pooled:
                 return lookup, inverse, totals
             trigger = torch.empty(0, device=engine.device, requires_grad=True)
@@ -269,9 +272,15 @@ class _DynamicCollection(DynamicTables):
             if self.training:
                 self.step += 1
                 self._timestamps.start_call()
-            looked = [self._lookup_group(group, batch, failures, pooled) for group in self.groups]
+            in_place = pooled and self._pools_in_place(batch)
+            looked = [self._lookup_group(group, batch, failures, pooled, in_place) for group in self.groups]
         self._raise_failures(failures)
         return batch, looked
+
+    def _pools_in_place(self, batch: Batch) -> bool:
+        """Whether the pooled output of ``batch`` is copied from the stores' rows in place
+        (a bag collection's one-id-per-bag compiled path); see DynamicEmbeddingBagCollection."""
+        return False
 
     def pending_keys(self, table: str) -> torch.Tensor:
         """Tensor[int64]: [P] keys of one table with a pending (deferred) gradient."""
@@ -388,13 +397,26 @@ class DynamicEmbeddingBagCollection(_DynamicCollection):
         """Whether every group runs the compiled CPU kernels (the units path's copy and sums)."""
         return all(e.device.type == "cpu" and e.index.native for e in self.engines)
 
+    def _pools_in_place(self, batch: Batch) -> bool:
+        # One id per bag on the compiled path: pool copies each id's row straight from its
+        # store, so the lookups skip gathering their unique rows (docs/design/0042).
+        if self._units is None or not self._compiled_cpu():
+            return False
+        return one_id_per_bag(batch.stacked, sum(v.numel() for v in batch.values), self.is_weighted)
+
     def _pool_units(self, batch: Batch, looked: list):
         """The concat [B, sum D_f] through :func:`dynemb.nn.units.pool`, and each group's
-        backward info."""
+        backward info. A lookup without gathered rows (``data`` None) is read from its store:
+        its ids point at their row ids there."""
         layout = self._units
         rows, inverses, weights = [], [], None
         for group, (emb, inverse, _totals) in zip(self.groups, looked):
-            D = self.engines[group.index].embedding_dim
+            engine = self.engines[group.index]
+            D = engine.embedding_dim
+            if isinstance(emb, Lookup) and emb.data is None:
+                rows.append(engine.readable_rows()[:, :D])
+                inverses.append(emb.rows.index_select(0, inverse))
+                continue
             rows.append(emb.data[:, :D] if isinstance(emb, Lookup) else emb)
             inverses.append(inverse)
         if self.is_weighted:

@@ -31,6 +31,7 @@ from dynemb.nn.tiering import check_memory, default_store, group_key, touch_reso
 from dynemb.optim.base import RowOptimizer
 from dynemb.storage.base import FlushableStore, KeyedRowStore, RowStore, TierStats, Touchable
 from dynemb.storage.caching import CachingRowStore, caching_problem
+from dynemb.storage.device_store import DeviceRowStore
 from dynemb.storage.initializers import RowInitializer
 from dynemb.table.index import KeyIndex, rounded_capacity
 from dynemb.types import NonFiniteGrads
@@ -306,6 +307,15 @@ class Engine:
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows [U, D+S] of row ids [U] (-1 allowed: such rows hold undefined values)."""
         return self.store.gather(rows.clamp(min=0))
+
+    def readable_rows(self) -> torch.Tensor | None:
+        """The store's rows [C, D+S] where a lookup may copy from them in place instead of
+        gathering its rows first (a compiled CPU table whose rows are one contiguous tensor,
+        no tiers or cache), else None. Valid until the table next changes."""
+        store = self.store
+        if not self.index.compiled or type(store) is not DeviceRowStore or store.data.device.type != "cpu" or not store.data.is_contiguous():
+            return None
+        return store.data
 
     def find(self, keys: torch.Tensor, segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Row ids of keys [N] (-1 where absent) and whether found, without side effects."""

@@ -254,18 +254,25 @@ class DynamicTables(torch.nn.Module):
                 what = None if not self.segmented else f"tables {[self.table_names[t] for t in group.tables]}"
                 self.optimizer.check_row_dtype(engine.dtype, *(() if what is None else (what,)))
 
-    def _lookup_unique(self, g: int, keys: torch.Tensor, segs: torch.Tensor | None, counts: torch.Tensor, failures: list, grouping=None) -> Lookup:
+    def _lookup_unique(
+        self, g: int, keys: torch.Tensor, segs: torch.Tensor | None, counts: torch.Tensor, failures: list, grouping=None, gather: bool = True
+    ) -> Lookup:
         """Resolve one engine's unique keys [U] (inserting in training), gather their rows
         [U, D+S] with the missing keys' initial value (training) or eval default, and record the
-        keys that failed or left (under the lock)."""
+        keys that failed or left (under the lock).
+
+        ``gather=False``: the caller reads the rows straight from the store
+        (:meth:`Engine.readable_rows`) before the table next changes; where it can (the store
+        allows it, every key has its row) the Lookup's ``data`` is then None, not gathered."""
         engine = self.engines[g]
         D = engine.embedding_dim
         if self.training:
             r = self._resolve_train(g, keys, segs, counts)
         else:
             r = engine.resolve(keys, segs, train=False, now=None)
-        data = engine.gather(r.rows)  # [U, D+S]
         missing = (~r.ok).nonzero().squeeze(1)
+        in_place = not gather and missing.numel() == 0 and isinstance(engine, Engine) and engine.readable_rows() is not None
+        data = None if in_place else engine.gather(r.rows)  # [U, D+S]
         if missing.numel():
             if self.training:
                 fill = engine.init_embeddings(keys.index_select(0, missing), None if segs is None else segs.index_select(0, missing))

@@ -90,6 +90,12 @@ class _GroupGrad:
         self.first_row, self.scale = first_row, scale
 
 
+def one_id_per_bag(stacked: torch.Tensor, n_ids: int, weighted: bool) -> bool:
+    """Whether every bag holds exactly one id, unweighted (lengths ``stacked`` [F, B], ``n_ids``
+    ids in all): :func:`pool`'s copy path (one host sync)."""
+    return not weighted and n_ids == stacked.numel() and bool((stacked == 1).all())
+
+
 def pool(
     layout: UnitLayout,
     stacked: torch.Tensor,
@@ -104,9 +110,10 @@ def pool(
 
     Args:
         stacked: lengths [F, B] (int64), features in collection order.
-        rows: per group, its unique rows' embeddings [U_g, D_g].
-        inverses: per group, the unique row of each id [N_g] (its features' ids concatenated in
-            collection order).
+        rows: per group, its unique rows' embeddings [U_g, D_g] (or any rows the inverses
+            point into, such as the store's, on the copy path).
+        inverses: per group, the row of ``rows`` of each id [N_g] (its features' ids
+            concatenated in collection order).
         weights: per group, per-id weights [N_g], or None (unweighted collection).
         scratch: returns the scratch [sum_g U_g k_g, u] for the unit table (called only on the
             paths that build one).
@@ -114,12 +121,12 @@ def pool(
         native: one id per bag, unweighted: copy the rows with the compiled kernel
             (:func:`dynemb.kernels.pool.copy_bags_native`, CPU) instead of the unit table.
     """
-    F_all, B = stacked.shape
+    B = stacked.shape[1]
     K, u = layout.K, layout.unit
     device = stacked.device
     consts = layout.on(device)
     n_ids = sum(inv.numel() for inv in inverses)
-    single = weights is None and n_ids == F_all * B and bool((stacked == 1).all())
+    single = one_id_per_bag(stacked, n_ids, weights is not None)
     sample_rows = torch.arange(B, device=device).mul_(K)  # [B] unit row of each sample's first unit
     grads: list[_GroupGrad] = []
     if single and native:

@@ -22,7 +22,7 @@ from dynemb.hashing import tag_of
 from dynemb.kernels.dedup import sort_unique_first_native
 from dynemb.kernels.evict import evict_for_native
 from dynemb.kernels.move import MAX_DEPTH as MOVE_KERNEL_DEPTH
-from dynemb.kernels.move import follow_native, follow_torch, make_room_native
+from dynemb.kernels.move import follow_all_native, follow_torch, make_room_native
 from dynemb.kernels.place import place_free_native
 from dynemb.kernels.rows import put_rows_native, rows_of_new_native
 from dynemb.kernels.upsert import found_and_missing_native
@@ -185,8 +185,11 @@ class BatchPlacement:
                         break
                     room, stuck, moves = self._make_room(new_keys.index_select(0, tried), _pick(new_seg, tried))
                     hopeful.index_fill_(0, tried[stuck], False)
-                    follow = follow_native if self.native else follow_torch
-                    pos, new_pos = follow(pos, moves), follow(new_pos, moves)
+                    if self.native:
+                        # In place: pos and new_pos are this call's own tensors.
+                        pos, new_pos = follow_all_native([pos, new_pos], moves, inplace=True)
+                    else:
+                        pos, new_pos = follow_torch(pos, moves), follow_torch(new_pos, moves)
                     to_place = tried[room]
                     if to_place.numel() * GIVE_UP < tried.numel():
                         # Few keys got room: the free slots left are hard to reach. Stop trying in
