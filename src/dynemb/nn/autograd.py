@@ -75,17 +75,30 @@ class FusedEmbeddings(torch.autograd.Function):
 
 class FusedSequence(torch.autograd.Function):
     """Sequence lookup: unique rows expanded to ids' shape [*, D]; backward sums the gradient per
-    key and applies the table's optimizer."""
+    key and applies the table's optimizer. The rows are copied from ``source`` at ``at`` (default:
+    the lookup's gathered rows at ``inverse``; the store's rows at the ids' row ids when the
+    lookup read them in place)."""
 
     @staticmethod
-    def forward(ctx, trigger, lookup: Lookup, inverse: torch.Tensor, embedding_dim: int, out: Callable[..., torch.Tensor] | None = None):
+    def forward(
+        ctx,
+        trigger,
+        lookup: Lookup,
+        inverse: torch.Tensor,
+        embedding_dim: int,
+        out: Callable[..., torch.Tensor] | None = None,
+        source: torch.Tensor | None = None,
+        at: torch.Tensor | None = None,
+    ):
         ctx.lookup, ctx.inverse = lookup, inverse
-        return expand_rows(lookup.data, inverse, embedding_dim, out)
+        if source is None:
+            source, at = lookup.data, inverse
+        return expand_rows(source, at, embedding_dim, out)
 
     @staticmethod
     def backward(ctx, grad):
         ctx.lookup.apply(inverse=ctx.inverse.reshape(-1), grad=grad.reshape(-1, grad.shape[-1]))
-        return None, None, None, None, None
+        return None, None, None, None, None, None, None
 
 
 def expand_rows(data: torch.Tensor, inverse: torch.Tensor, D: int, out: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:

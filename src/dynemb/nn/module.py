@@ -132,11 +132,12 @@ class DynamicTable(DynamicTables):
             raise TypeError(f"fn={fn!r}: must be callable as fn(keys, rows)")
         return self._register_evict_hook(lambda _name, keys, rows: fn(keys, rows))
 
-    def _gather(self, ids) -> tuple[Lookup, torch.Tensor]:
+    def _gather(self, ids, gather: bool = True) -> tuple[Lookup, torch.Tensor]:
         """De-duplicate ids, resolve them (inserting in training) and gather their rows.
 
         Returns the lookup (unique keys [U], rows [U], rows data [U, D+S]) and the inverse ([*],
-        ids' shape) of each id into the unique keys.
+        ids' shape) of each id into the unique keys. ``gather=False``: the caller reads the rows
+        from the store in place where it can (then the lookup's data is None).
         """
         ids = as_ids(ids, "ids", self.device)
         self._check_row_dtypes()
@@ -146,7 +147,7 @@ class DynamicTable(DynamicTables):
             if self.training:
                 self.step += 1
                 self._timestamps.start_call()
-            lookup = self._lookup_unique(0, keys, None, counts, failures, grouping)
+            lookup = self._lookup_unique(0, keys, None, counts, failures, grouping, gather=gather)
         self._raise_failures(failures)
         return lookup, inverse.view(ids.shape)
 
@@ -169,13 +170,18 @@ class DynamicTable(DynamicTables):
     @collective("forward")
     def lookup_sequence(self, ids) -> torch.Tensor:
         """One embedding per id: ids [*] -> [*, D]; in training, backward updates the rows."""
-        lookup, inverse = self._gather(ids)
+        # Each id's row is copied straight from the store where it can be (no gather of the
+        # unique rows first): the ids then point at their row ids (docs/design/0042).
+        lookup, inverse = self._gather(ids, gather=False)
+        source, at = lookup.data, inverse
+        if source is None:
+            source, at = self.engines[0].readable_rows(), lookup.rows.index_select(0, inverse.reshape(-1)).view(inverse.shape)
         # The [*, D] output in recycled memory on CPU (a fresh one page-faults every step).
         out = functools.partial(self._recycler.get, "sequence")
         if self._trains():
             trigger = torch.empty(0, device=self.device, requires_grad=True)
-            return FusedSequence.apply(trigger, lookup, inverse, self.embedding_dim, out)
-        return expand_rows(lookup.data, inverse, self.embedding_dim, out)
+            return FusedSequence.apply(trigger, lookup, inverse, self.embedding_dim, out, source, at)
+        return expand_rows(source, at, self.embedding_dim, out)
 
     def deferred_grad(self) -> torch.Tensor | None:
         """The pending gradient [P, D] (the live tensor: scaling it in place scales the next
