@@ -402,7 +402,8 @@ class DynamicEmbeddingBagCollection(_DynamicCollection):
         # store, so the lookups skip gathering their unique rows (docs/design/0042).
         if self._units is None or not self._compiled_cpu():
             return False
-        return one_id_per_bag(batch.stacked, sum(v.numel() for v in batch.values), self.is_weighted)
+        batch.one_id_per_bag = one_id_per_bag(batch.stacked, sum(v.numel() for v in batch.values), self.is_weighted)
+        return batch.one_id_per_bag
 
     def _pool_units(self, batch: Batch, looked: list):
         """The concat [B, sum D_f] through :func:`dynemb.nn.units.pool`, and each group's
@@ -427,9 +428,8 @@ class DynamicEmbeddingBagCollection(_DynamicCollection):
             # asked for only by the paths that use it.
             dtype = self.engines[0].dtype
             native = self._compiled_cpu()
-            return pool(
-                layout, batch.stacked, rows, inverses, weights, lambda: self._workspace.get("units", units, (layout.unit,), dtype), self._recycler, native
-            )
+            scratch = lambda: self._workspace.get("units", units, (layout.unit,), dtype)
+            return pool(layout, batch.stacked, rows, inverses, weights, scratch, self._recycler, native, single=batch.one_id_per_bag)
 
     def _pool_by_group(self, batch: Batch, looked: list) -> PooledEmbeddings:
         """Pool each group into [F_g * B, D] and concatenate (tables of several dtypes or

@@ -16,6 +16,8 @@ class Batch:
     def __init__(self, values: list[torch.Tensor], lengths: list[torch.Tensor], weights: list[torch.Tensor | None], batch: int, stacked: torch.Tensor):
         self.values, self.lengths, self.weights, self.batch = values, lengths, weights, batch
         self.stacked = stacked  # lengths [F, B]
+        # Whether every bag holds one id, unweighted (a host sync), once asked for.
+        self.one_id_per_bag: bool | None = None
 
 
 def parse_features(features, feature_names: list[str], device: torch.device, *, pooled: bool, weighted: bool) -> Batch:

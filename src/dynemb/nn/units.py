@@ -105,6 +105,7 @@ def pool(
     scratch: Callable[[], torch.Tensor],
     recycler: Recycler | None = None,
     native: bool = False,
+    single: bool | None = None,
 ) -> tuple[torch.Tensor, list[_GroupGrad]]:
     """The concat [B, K * u] of every feature's pooled bags, and each group's backward info.
 
@@ -120,13 +121,15 @@ def pool(
         recycler: where the output's memory comes from (one id per bag), or None (fresh).
         native: one id per bag, unweighted: copy the rows with the compiled kernel
             (:func:`dynemb.kernels.pool.copy_bags_native`, CPU) instead of the unit table.
+        single: :func:`one_id_per_bag` of this batch where the caller has it already, else None.
     """
     B = stacked.shape[1]
     K, u = layout.K, layout.unit
     device = stacked.device
     consts = layout.on(device)
     n_ids = sum(inv.numel() for inv in inverses)
-    single = one_id_per_bag(stacked, n_ids, weights is not None)
+    if single is None:
+        single = one_id_per_bag(stacked, n_ids, weights is not None)
     sample_rows = torch.arange(B, device=device).mul_(K)  # [B] unit row of each sample's first unit
     grads: list[_GroupGrad] = []
     if single and native:
