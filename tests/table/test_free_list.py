@@ -49,6 +49,22 @@ def test_returned_ids_do_not_alias_internal_state():
     assert sorted(fl.allocate(2).tolist()) == [0, 3]
 
 
+def test_borrowed_ids_are_the_same_ids_without_a_copy():
+    # borrow=True: the same ids as a plain allocate, reused ones as a view of the stack (valid
+    # until the next release), so a caller that copies them at once skips a fresh tensor.
+    plain, lent = FreeList(8), FreeList(8)
+    for fl in (plain, lent):
+        fl.allocate(5)
+        fl.release(ids([4, 1, 3]))
+    want = plain.allocate(2)
+    got = lent.allocate(2, borrow=True)
+    assert torch.equal(got, want)
+    assert got.untyped_storage().data_ptr() == lent._stack.untyped_storage().data_ptr()
+    # Partly reused, partly fresh: a new tensor either way, the same ids in the same order.
+    assert torch.equal(lent.allocate(3, borrow=True), plain.allocate(3))
+    assert lent.num_used() == plain.num_used() and lent.num_free() == plain.num_free()
+
+
 def test_every_id_handed_out_once_through_many_cycles():
     fl = FreeList(2000)
     held = set(fl.allocate(1500).tolist())
