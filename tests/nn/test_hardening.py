@@ -6,6 +6,7 @@ N ids, D embedding dim.
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
@@ -110,6 +111,54 @@ def test_concurrent_training_never_corrupts_the_table():
     b, fb = serial.find(keys)
     assert torch.equal(fa, fb) and torch.equal(a, b)
     assert shared.size() == serial.size()
+
+
+@pytest.mark.parametrize("bag", [False, True])
+def test_concurrent_lookups_read_their_own_keys_rows(bag):
+    """Threads train one small table that evicts on every batch, with lr 0, so a key's row is
+    always its per-key initial value. Each output must hold its own ids' rows: a lookup that
+    reads its rows from the store in place (docs/design/0042) copies them before another
+    thread's lookup can evict and reuse them."""
+    zero = dynemb.optim.SGD(lr=0.0)
+    gen = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, 5000, (160,), generator=gen) for _ in range(30)]
+    if bag:
+        config = {"embedding_dim": D, "feature_names": ["f"], "pooling": "sum"}
+        shared = dynemb.DynamicEmbeddingBagCollection([dynemb.TableConfig(name="t", capacity=256, **config)], zero)
+        ref = dynemb.DynamicEmbeddingBagCollection([dynemb.TableConfig(name="t", capacity=8192, **config)], zero)
+        ones = torch.ones(160, dtype=torch.int64)
+
+        def call(module, ids):
+            return module({"f": (ids, ones)}).concat
+    else:
+        shared, ref = table(capacity=256, optimizer=zero), table(capacity=8192, optimizer=zero)
+
+        def call(module, ids):
+            return module(ids)
+
+    want = [call(ref, ids).detach() for ids in batches]
+    wrong = []
+
+    def work(part):
+        for i in part:
+            out = call(shared, batches[i])
+            out.sum().backward()
+            if not torch.equal(out.detach(), want[i]):
+                wrong.append(i)
+
+    threads = [threading.Thread(target=work, args=(range(k, len(batches), 3),)) for k in range(3)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between nearly every two bytecodes
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=120)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not any(th.is_alive() for th in threads)
+    assert shared.stats()["evictions"] if not bag else shared.stats()["t"]["evictions"]
+    assert wrong == []
 
 
 def _bad_calls():

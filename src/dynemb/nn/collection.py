@@ -381,17 +381,21 @@ class DynamicEmbeddingBagCollection(_DynamicCollection):
         )
 
     def forward(self, features) -> PooledEmbeddings:
-        batch, looked = self._lookup(features, pooled=True)
-        # Every rank of a sharded collection takes the same path (its backward's collectives
-        # follow it), so an empty batch goes through the units path too.
-        if self._units is not None:
-            if isinstance(looked[0][0], Lookup):
-                trigger = torch.empty(0, device=self.engines[0].device, requires_grad=True)
-                concat = _PooledUnits.apply(trigger, self, batch, looked)
-            else:
-                concat, _ = self._pool_units(batch, looked)
-            return PooledEmbeddings(concat, self.feature_names, self.feature_dims)
-        return self._pool_by_group(batch, looked)
+        # The lock (re-entrant) is held from the lookups to the pooled output: lookups that
+        # leave their rows in the stores (docs/design/0042) are copied before any other
+        # thread's lookup can change them.
+        with self._lock:
+            batch, looked = self._lookup(features, pooled=True)
+            # Every rank of a sharded collection takes the same path (its backward's collectives
+            # follow it), so an empty batch goes through the units path too.
+            if self._units is not None:
+                if isinstance(looked[0][0], Lookup):
+                    trigger = torch.empty(0, device=self.engines[0].device, requires_grad=True)
+                    concat = _PooledUnits.apply(trigger, self, batch, looked)
+                else:
+                    concat, _ = self._pool_units(batch, looked)
+                return PooledEmbeddings(concat, self.feature_names, self.feature_dims)
+            return self._pool_by_group(batch, looked)
 
     def _compiled_cpu(self) -> bool:
         """Whether every group runs the compiled CPU kernels (the units path's copy and sums)."""

@@ -171,17 +171,19 @@ class DynamicTable(DynamicTables):
     def lookup_sequence(self, ids) -> torch.Tensor:
         """One embedding per id: ids [*] -> [*, D]; in training, backward updates the rows."""
         # Each id's row is copied straight from the store where it can be (no gather of the
-        # unique rows first): the ids then point at their row ids (docs/design/0042).
-        lookup, inverse = self._gather(ids, gather=False)
-        source, at = lookup.data, inverse
-        if source is None:
-            source, at = self.engines[0].readable_rows(), lookup.rows.index_select(0, inverse.reshape(-1)).view(inverse.shape)
-        # The [*, D] output in recycled memory on CPU (a fresh one page-faults every step).
-        out = functools.partial(self._recycler.get, "sequence")
-        if self._trains():
-            trigger = torch.empty(0, device=self.device, requires_grad=True)
-            return FusedSequence.apply(trigger, lookup, inverse, self.embedding_dim, out, source, at)
-        return expand_rows(source, at, self.embedding_dim, out)
+        # unique rows first): the ids then point at their row ids (docs/design/0042). The lock
+        # is held until the copy is made, so no other thread's lookup changes the rows between.
+        with self._lock:
+            lookup, inverse = self._gather(ids, gather=False)
+            source, at = lookup.data, inverse
+            if source is None:
+                source, at = self.engines[0].readable_rows(), lookup.rows.index_select(0, inverse.reshape(-1)).view(inverse.shape)
+            # The [*, D] output in recycled memory on CPU (a fresh one page-faults every step).
+            out = functools.partial(self._recycler.get, "sequence")
+            if self._trains():
+                trigger = torch.empty(0, device=self.device, requires_grad=True)
+                return FusedSequence.apply(trigger, lookup, inverse, self.embedding_dim, out, source, at)
+            return expand_rows(source, at, self.embedding_dim, out)
 
     def deferred_grad(self) -> torch.Tensor | None:
         """The pending gradient [P, D] (the live tensor: scaling it in place scales the next
