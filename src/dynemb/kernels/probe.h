@@ -22,8 +22,10 @@ static constexpr int64_t PROBE_BLOCK = 256;
 // at[i]: the flat slot of keys[i] for i in [0, len) (len <= PROBE_BLOCK), -1 where absent;
 // key i of the block is key ``first + i`` of the call (for its segment). ``also`` (or null):
 // a [B, W] table (row ids, scores) whose entries the caller reads or writes at the found slots
-// next: prefetched with the key line unless it shares that line (packed slots). ``free_out`` (or
-// null): for each absent key, pack_free of its two candidates, read while their tags are in cache.
+// next: prefetched with the key line unless it shares that line (packed slots). With FREE,
+// ``free_out`` gets for each absent key pack_free of its two candidates, read while their tags
+// are in cache (a template flag: the find's probe carries no test for it).
+template <bool FREE = false>
 inline void probe_block(const KeyCol& table_keys, const uint8_t* tags, int64_t W, const Candidates& cand, const int64_t* keys, int64_t first,
                         int64_t len, int64_t* at, const IntCol* also = nullptr, int64_t* free_out = nullptr) {
   const bool also_apart = also && !same_record(table_keys, *also);
@@ -58,7 +60,9 @@ inline void probe_block(const KeyCol& table_keys, const uint8_t* tags, int64_t W
       at[i] = find_in_bucket(table_keys, tags, b1[i], W, keys[i], tg[i]);
       if (at[i] < 0) at[i] = find_in_bucket(table_keys, tags, b2[i], W, keys[i], tg[i]);
     }
-    if (free_out && at[i] < 0) free_out[i] = pack_free(free_slots_at(tags + b1[i], W), free_slots_at(tags + b2[i], W));
+    if constexpr (FREE) {
+      if (at[i] < 0) free_out[i] = pack_free(free_slots_at(tags + b1[i], W), free_slots_at(tags + b2[i], W));
+    }
   }
 }
 

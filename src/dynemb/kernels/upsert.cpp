@@ -57,7 +57,10 @@ extern "C" int64_t dyn_upsert_found(
       const int64_t lo = blk * PROBE_BLOCK, len = lo + PROBE_BLOCK < n ? PROBE_BLOCK : n - lo;
       int64_t* at = pos + lo;
       // The score line of each key's likely slot is requested with its key line.
-      probe_block(slot_keys, tags, W, cand, keys + lo, lo, len, at, &scores, free_info ? free_info + lo : nullptr);
+      if (free_info)
+        probe_block<true>(slot_keys, tags, W, cand, keys + lo, lo, len, at, &scores, free_info + lo);
+      else
+        probe_block(slot_keys, tags, W, cand, keys + lo, lo, len, at, &scores);
       for (int64_t i = 0; i < len; ++i) {
         found[lo + i] = at[i] >= 0;
         if (at[i] >= 0) scores.set(at[i], batch_scores[lo + i]);
