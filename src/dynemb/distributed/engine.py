@@ -255,6 +255,10 @@ class ShardedEngine:
             raise RuntimeError("sharded engine: gather() before resolve() or find()")
         return self._rows_data.index_select(0, rows.clamp(min=0))
 
+    def readable_rows(self) -> None:
+        """None: the rows live on their owner ranks; a lookup gathers what the resolve fetched."""
+        return None
+
     def _dedup(self, keys: torch.Tensor, segs: torch.Tensor | None):
         """Distinct (segment, key) pairs of the keys received: (keys [R'], segs or None, inverse [R])."""
         if segs is None:

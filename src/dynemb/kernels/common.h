@@ -128,9 +128,9 @@ struct FreeSlots {
   int64_t count, first;
 };
 
-// FreeSlots of the bucket whose W tags start at ``t`` (free_slots: of bucket ``bucket``): from a bit mask of its tags (bit j set where slot j is empty)
-// for buckets of up to MASK_SLOTS slots, with no loop over the slots and no branch per slot;
-// wider buckets slot by slot.
+// FreeSlots of the bucket whose W tags start at ``t`` (free_slots: of bucket ``bucket``): from
+// a bit mask of its tags (bit j set where slot j is empty) for buckets of up to MASK_SLOTS
+// slots, with no loop over the slots and no branch per slot; wider buckets slot by slot.
 inline FreeSlots free_slots_at(const uint8_t* t, int64_t W) {
   if (W > MASK_SLOTS) {
     int64_t first = 0;

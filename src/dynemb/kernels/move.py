@@ -101,10 +101,9 @@ def follow_torch(positions: torch.Tensor, moves: list[tuple[torch.Tensor, torch.
     return positions
 
 
-def follow_native(positions: torch.Tensor, moves: list[tuple[torch.Tensor, torch.Tensor]], *, inplace: bool = False) -> torch.Tensor:
-    """:func:`follow_torch` by ``dyn_follow``, one call a step (bitwise the same); ``inplace``:
-    ``positions`` itself is updated (when contiguous) and returned."""
-    return follow_all_native([positions], moves, inplace=inplace)[0]
+def follow_native(positions: torch.Tensor, moves: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """:func:`follow_torch` by ``dyn_follow``, one call a step (bitwise the same)."""
+    return follow_all_native([positions], moves)[0]
 
 
 def follow_all_native(tensors: list[torch.Tensor], moves: list[tuple[torch.Tensor, torch.Tensor]], *, inplace: bool = False) -> list[torch.Tensor]:

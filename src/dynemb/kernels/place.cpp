@@ -133,8 +133,9 @@ extern "C" int64_t dyn_place_free(
           }
         }
         const int64_t i = todo[t];
-        const FreeSlots s1 = given ? unpack_free(pre_free[pre_at[i]], 0) : free_slots(tags, b1[i], W);
-        const FreeSlots s2 = given ? unpack_free(pre_free[pre_at[i]], 1) : free_slots(tags, b2[i], W);
+        const int64_t seen = given ? pre_free[pre_at[i]] : 0;
+        const FreeSlots s1 = given ? unpack_free(seen, 0) : free_slots(tags, b1[i], W);
+        const FreeSlots s2 = given ? unpack_free(seen, 1) : free_slots(tags, b2[i], W);
         const int64_t f1 = s1.count, f2 = s2.count;
         if (f1 == 0 && f2 == 0) {
           chosen[i] = -1;

@@ -35,8 +35,8 @@ def found_and_missing_native(
     """Returns pos [U] (-1 where missing), found [U], missing [M] (indices into keys), with
     ``table_rows`` ([B, W] int32 or int64) the found keys' row ids ([U] int64, -1 where
     missing; read in the probe, from the score's line when the slots are packed), else None,
-    and the free slots asked for with ``free_info`` (else None); None in all when a score of this call does not fit ``table_scores``' int32 (then nothing
-    was written).
+    and the free slots asked for with ``free_info`` (else None); None in all when a score of
+    this call does not fit ``table_scores``' int32 (then nothing was written).
 
     Args:
         table_keys (Tensor[int64]), tags (Tensor[uint8], 0 where empty), table_scores (Tensor[int32|int64]):

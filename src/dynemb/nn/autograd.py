@@ -15,9 +15,10 @@ import torch
 class Lookup:
     """What one training forward hands its backward: the module, the unique keys [U], their rows
     [U] (-1 where not in the table), the gathered rows [U, D+S] (None where the forward read
-    them from the store in place, see ``DynamicTables._lookup_unique``), the engine version then, and
-    for a collection's group its index ``group``, the table of each key ``segments`` [U] and the
-    grouping (order [N], starts [U]) of the ids by key when the de-duplication gave it.
+    them from the store in place, see ``DynamicTables._lookup_unique``), the engine version
+    then, and for a collection's group its index ``group``, the table of each key ``segments``
+    [U] and the grouping (order [N], starts [U]) of the ids by key when the de-duplication gave
+    it.
 
     A fused lookup's gradient is applied once: the fused update changes the table, so a second
     backward through the same graph (``retain_graph=True``) raises instead of applying the

@@ -120,6 +120,11 @@ class EngineContract(Protocol):
         """Rows [U, W] of row ids [U] of the last resolve / find (-1: undefined values); a
         sharded engine returns the embeddings [U, D] only."""
 
+    def readable_rows(self) -> torch.Tensor | None:
+        """The rows [C, W] a lookup may copy from in place at its row ids instead of gathering
+        them first, valid until the table next changes; None where the engine has no such
+        tensor (tiers, a cache, another device, rows on other ranks)."""
+
     def init_embeddings(self, keys: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
         """Initial embeddings [N, D] of keys [N], each by its table's initialiser."""
 

@@ -271,7 +271,7 @@ class DynamicTables(torch.nn.Module):
         else:
             r = engine.resolve(keys, segs, train=False, now=None)
         missing = (~r.ok).nonzero().squeeze(1)
-        in_place = not gather and missing.numel() == 0 and isinstance(engine, Engine) and engine.readable_rows() is not None
+        in_place = not gather and missing.numel() == 0 and engine.readable_rows() is not None
         data = None if in_place else engine.gather(r.rows)  # [U, D+S]
         if missing.numel():
             if self.training:
