@@ -246,6 +246,20 @@ inline void radix_sort(std::vector<uint64_t>& key, std::vector<int64_t>& id) {
   for (auto& k : key) k ^= 0x8000000000000000ULL;
 }
 
+// The placement rounds of docs/design/0006: halving rounds (at most HALVING_ROUNDS, while one
+// places a key), then one filling the preferred candidate, then one the other. ``one_round(halve,
+// other)`` returns the slots it took; the rounds stop once ``n_todo`` (the keys waiting) is 0.
+constexpr int HALVING_ROUNDS = 8;
+constexpr int PLACEMENT_ROUNDS = HALVING_ROUNDS + 2;
+
+template <class Round>
+inline void placement_rounds(Round&& one_round, const int64_t& n_todo) {
+  for (int k = 0; k < HALVING_ROUNDS && n_todo; ++k)
+    if (one_round(true, false) == 0) break;
+  if (n_todo) one_round(false, false);
+  if (n_todo) one_round(false, true);
+}
+
 inline int threads(int64_t requested, int64_t work, int64_t per_thread) {
   int64_t t = work / per_thread;
   if (t > requested) t = requested;

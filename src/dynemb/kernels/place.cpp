@@ -9,8 +9,7 @@
 
 using namespace dynemb;
 
-// At most 8 halving rounds, then one filling the preferred candidate, one the other.
-static constexpr int MAX_ROUNDS = 10;
+static constexpr int MAX_ROUNDS = PLACEMENT_ROUNDS;
 
 // Sort n non-negative slots ascending (LSD radix, 11 bits a pass, only the passes their range
 // needs), ``buffer`` as large.
@@ -210,10 +209,7 @@ extern "C" int64_t dyn_place_free(
     return taken;
   };
 
-  for (int k = 0; k < 8 && n_todo; ++k)
-    if (one_round(true, false) == 0) break;
-  if (n_todo) one_round(false, false);
-  if (n_todo) one_round(false, true);
+  placement_rounds(one_round, n_todo);
   if (seg && seg_placed)
     for (int64_t i = 0; i < n; ++i)
       if (pos[i] >= 0) ++seg_placed[seg[i]];

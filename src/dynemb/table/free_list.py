@@ -41,6 +41,12 @@ class FreeList:
         """Ids handed out and not released."""
         return self.high_water - self._top
 
+    def reusable(self) -> torch.Tensor:
+        """The released ids the next allocations reuse, from the end (Tensor[int64]: [k], a view
+        valid until the next ``allocate`` or ``release``); ids past them are fresh, from
+        ``high_water`` up. For a kernel that hands out ids as ``allocate`` would."""
+        return self._stack[: self._top]
+
     def allocate(self, n: int, *, borrow: bool = False) -> torch.Tensor:
         """``n`` distinct free ids (Tensor[int64]: [n]); raises if fewer are free. ``borrow``:
         reused ids may come as a view of the stack, valid until the next ``release`` (for a

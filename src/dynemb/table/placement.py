@@ -21,6 +21,7 @@ import torch
 from dynemb.hashing import tag_of
 from dynemb.kernels.dedup import sort_unique_first_native
 from dynemb.kernels.evict import evict_for_native
+from dynemb.kernels.insert import insert_new_native
 from dynemb.kernels.move import MAX_DEPTH as MOVE_KERNEL_DEPTH
 from dynemb.kernels.move import follow_all_native, follow_torch, make_room_native
 from dynemb.kernels.place import place_free_native
@@ -80,6 +81,16 @@ class BatchPlacement:
         else:
             pos, found, missing = self._found_and_missing(unique, counts, batch_scores, lfu_add, uniform, seg)
         occurrences, spread = missing, None  # with repeated keys: [M'] every missing key's place, [M'] its rank
+        # Whether the compiled insert placed the new keys as they came (some may be left).
+        placed_first = False
+        if not distinct and self.native and seg is None and missing.numel() and self._places_without_growth(missing.numel()):
+            left = self._insert_new_native(unique, missing, batch_scores, pos, found_rows, pre_free)
+            if left == 0:
+                # Every new key placed, with its slot and row id in the result: nothing evicted or failed.
+                none = unique[:0]
+                no_seg = none if self.segmented else None
+                return IndexResult(pos, found_rows, found, ~found, none, none, none, none, no_seg, no_seg)
+            placed_first = left is not None
         if distinct or missing.numel() == 0:
             new_keys, new_seg = unique.index_select(0, missing), _pick(seg, missing)
         elif self.native and seg is None:
@@ -96,18 +107,25 @@ class BatchPlacement:
             missing = torch.empty_like(new_keys).scatter_(0, spread, occurrences)  # [M] one place of each
         # One clock value: every key of the call has the same score, so any M of them are the new keys'.
         new_scores = batch_scores[: missing.numel()] if uniform else batch_scores.index_select(0, missing)
-        if self._grow_before(missing.numel(), new_seg):
-            pos, _ = self._locate(unique, seg)
-            pre_free = None  # read before the keys moved
         pending = new_pos = missing  # [M] ranks not placed yet and slots (none when every key was found)
-        if missing.numel():
-            # The first placement pass places every key in the common case (room in its buckets).
-            # [M] each; new_pos: slot once placed, -1 before
-            placed, new_pos = self._place_free(new_keys, new_scores, new_seg, keep="place.first", pre_free=pre_free, pre_at=missing)
-            waiting = ~placed  # [M] not placed yet
+        if placed_first:
+            # The compiled insert placed what the first placement pass would have; the rest go on
+            # from there (into the result at the end, as after that pass).
+            new_pos = pos.index_select(0, missing)  # [M] slot once placed, -1 before
+            pos.index_fill_(0, occurrences, -1)
+            waiting = new_pos < 0
             pending = waiting.nonzero().squeeze(1)
-            if pending.numel():
-                pos, new_pos, pending = self._place_rest(unique, seg, missing, new_keys, new_scores, new_seg, pos, new_pos, waiting, pending)
+        else:
+            if self._grow_before(missing.numel(), new_seg):
+                pos, _ = self._locate(unique, seg)
+                pre_free = None  # read before the keys moved
+            if missing.numel():
+                # The first placement pass places every key in the common case (room in its buckets).
+                placed, new_pos = self._place_free(new_keys, new_scores, new_seg, keep="place.first", pre_free=pre_free, pre_at=missing)
+                waiting = ~placed  # [M] not placed yet
+                pending = waiting.nonzero().squeeze(1)
+        if pending.numel():
+            pos, new_pos, pending = self._place_rest(unique, seg, missing, new_keys, new_scores, new_seg, pos, new_pos, waiting, pending)
 
         evicted = (torch.empty(0, dtype=torch.int64, device=self.device),) * 4
         if pending.numel() and self.strategy is not ScoreStrategy.NO_EVICTION:
@@ -314,6 +332,37 @@ class BatchPlacement:
         one_round(halve=False, other=False)
         one_round(halve=False, other=True)
         return placed, pos
+
+    def _places_without_growth(self, m: int) -> bool:
+        """Whether up to ``m`` new keys go into this index as it is: room left, and no growth
+        before placing them (so that placing fewer, once de-duplicated, grows nothing either)."""
+        if self._size >= self.current_capacity():
+            return False
+        return not self._can_grow() or self._size + m <= self.max_load_factor * self.current_capacity()
+
+    def _insert_new_native(
+        self, keys: torch.Tensor, missing: torch.Tensor, batch_scores: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, pre_free: torch.Tensor | None
+    ) -> int | None:
+        """The first placement pass of a call under one clock value by the compiled insert, from
+        the probe's missing places (repeats included; :func:`dynemb.kernels.insert.insert_new_native`):
+        the new keys it places get their slots and row ids, in the index and in ``pos`` / ``rows``.
+        Returns how many places are left without a slot, or None where the kernel cannot take the
+        call (nothing was done)."""
+        free = self.free_list
+        score = int(batch_scores[0])
+        got = insert_new_native(
+            self._keys, self._tags, self._scores, self._rows, keys, missing, score, pre_free, free.reusable(), free.high_water, pos, rows, self._workspace
+        )
+        if got is None:
+            return None
+        left, rounds = got
+        # The free list hands out what the kernel took: one allocation a round, as _place_free's.
+        for n in rounds:
+            free.allocate(n, borrow=True)
+        placed = sum(rounds)
+        self._size += placed
+        self._count("inserts", n=placed)
+        return left
 
     def _place_free_native(
         self,

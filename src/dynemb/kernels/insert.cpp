@@ -1,0 +1,279 @@
+// Native: the new keys of a find_or_insert under one clock value, placed, given row ids and put
+// into the call's result in one call, from the missing keys as the probe left them (repeats
+// included, in the call's order). It gives the slots, row ids, free list and result of the
+// plain-torch sequence it replaces in BatchPlacement._upsert (docs/design/0043): sort and
+// de-duplicate the missing keys, place them (place.cpp's rule, docs/design/0006), hand out one
+// allocation of row ids per round (each round's slots ascending), write the result.
+//
+// It need not sort the keys: a round's outcome depends only on the order of the keys within each
+// bucket (priority order, here ascending key), so the round's keys are grouped by the bucket they
+// try and ordered by key within it. Repeats of a key try the same bucket in every round (the
+// same candidates, the same free slots at the round's start), so they meet in its group.
+// m places of missing keys, B buckets, W slots per bucket.
+#include <omp.h>
+
+#include <algorithm>
+
+#include "common.h"
+
+using namespace dynemb;
+
+static constexpr int MAX_ROUNDS = PLACEMENT_ROUNDS;
+static constexpr int MAX_THREADS = 8;
+// Groups whose lines are requested ahead of the one placed.
+static constexpr int AHEAD = 16;
+// Bits of an entry of the sort array below its bucket: the item.
+static constexpr int ITEM_BITS = 32;
+static constexpr uint64_t ITEM_MASK = (uint64_t(1) << ITEM_BITS) - 1;
+
+// Stable LSD radix sort of ``v`` (bucket << ITEM_BITS | item) by the bucket, 11 bits a pass
+// over the bits ``total_buckets`` needs; ``buffer`` as large.
+static void sort_by_bucket(uint64_t* v, uint64_t* buffer, int64_t n, int64_t total_buckets) {
+  if (n < 2) return;
+  constexpr int BITS = 11;
+  constexpr int64_t DIGITS = int64_t(1) << BITS;
+  int64_t count[DIGITS + 1];
+  uint64_t* src = v;
+  uint64_t* dst = buffer;
+  for (int shift = ITEM_BITS; shift < 64 && ((total_buckets - 1) >> (shift - ITEM_BITS)) > 0; shift += BITS) {
+    std::fill(count, count + DIGITS + 1, 0);
+    for (int64_t i = 0; i < n; ++i) ++count[((src[i] >> shift) & (DIGITS - 1)) + 1];
+    for (int64_t d = 0; d < DIGITS; ++d) count[d + 1] += count[d];
+    for (int64_t i = 0; i < n; ++i) dst[count[(src[i] >> shift) & (DIGITS - 1)]++] = src[i];
+    std::swap(src, dst);
+  }
+  if (src != v) std::copy(src, src + n, v);
+}
+
+// Returns the number of places left without a slot (0: every new key placed), or -1 when the
+// scratch is too small or m too large. ``rounds`` gets the slots each round took (the free
+// list's allocations to commit, in turn).
+extern "C" int64_t dyn_insert_new(
+    int64_t* table_keys,         // [B, W]
+    int64_t key_step,            // elements from one slot's key to the next (1, or 2 packed)
+    uint8_t* tags,               // [B, W] tags: 0 where empty, else the slot key's tag
+    void* table_scores,          // [B, W] int32 or int64
+    int64_t W, int64_t total_buckets,
+    int64_t score_bytes,         // 4 or 8
+    int64_t score_step,          // elements from one slot's score to the next (1, or 4 packed)
+    void* table_rows,            // [B, W] row ids, int32 or int64
+    int64_t row_bytes,
+    int64_t row_step,            // elements from one slot's row id to the next (1, or 4 packed)
+    const int64_t* keys,         // [U] the call's keys
+    const int64_t* missing,      // [m] places in keys of the missing keys (repeats allowed)
+    int64_t m,
+    int64_t score,               // the call's score, every new key's
+    const int64_t* pre_free,     // [U] or null: pack_free of each place's candidates, as the probe read them
+    const int64_t* free_ids,     // [top] the free list's reusable ids, the next allocation's from the end
+    int64_t top,
+    int64_t high_water,          // the free list's first never-used id
+    int64_t* pos,                // [U] out at the places of new keys placed: their slots
+    int64_t* rows,               // [U] out there: their row ids
+    int64_t* rounds,             // [MAX_ROUNDS] out: slots taken in each round (0 after the last)
+    int64_t* scratch,            // [10m] the caller's reused buffer
+    int64_t cap,                 // its size
+    int64_t nthreads) {
+  for (int r = 0; r < MAX_ROUNDS; ++r) rounds[r] = 0;
+  if (m == 0) return 0;
+  if (cap < 10 * m || m > static_cast<int64_t>(ITEM_MASK) || total_buckets >= (int64_t(1) << (64 - ITEM_BITS - 1))) return -1;
+  // Per item t (the place missing[t]): its candidates, and as the round starts the free slots
+  // of the bucket it tries and the first of them (``info``: count | first << 32).
+  int64_t *b1 = scratch, *b2 = b1 + m, *info = b2 + m, *todo = info + m;
+  // Per entry of the round's ``order`` (the items that try a bucket, by bucket, then key): the
+  // key, its place, its info, the slot it got (-1: none).
+  uint64_t* order = reinterpret_cast<uint64_t*>(todo + m);
+  uint64_t* sort_buffer = order + m;
+  int64_t *ekey = reinterpret_cast<int64_t*>(sort_buffer + m), *eplace = ekey + m, *einfo = eplace + m, *eslot = einfo + m;
+  const KeyCol slot_keys(table_keys, key_step);
+  const IntCol slot_scores(table_scores, score_bytes, score_step);
+  const IntCol slot_rows(table_rows, row_bytes, row_step);
+  const bool packed = same_record(slot_keys, slot_scores) && same_record(slot_keys, slot_rows);
+  const Candidates cand{nullptr, nullptr, nullptr, total_buckets};
+  int nt = threads(nthreads, m, 2048);
+  if (nt > MAX_THREADS) nt = MAX_THREADS;
+#pragma omp parallel for schedule(static) num_threads(nt)
+  for (int64_t t = 0; t < m; ++t) {
+    cand.of(keys[missing[t]], t, &b1[t], &b2[t]);
+    todo[t] = t;
+  }
+  constexpr uint64_t NONE = ~uint64_t(0) << ITEM_BITS;  // the bucket part of an item that tries none
+  auto bucket_of_entry = [](uint64_t entry) -> int64_t { return static_cast<int64_t>(entry >> ITEM_BITS); };
+  int64_t n_todo = m;
+  int round_no = 0;
+
+  // Entries [g, e) of one bucket in key order, their arrays with them (a bucket's new keys are few).
+  auto sort_run = [&](int64_t g, int64_t e) {
+    for (int64_t i = g + 1; i < e; ++i) {
+      const uint64_t o = order[i];
+      const int64_t k = ekey[i], p = eplace[i], f = einfo[i];
+      int64_t j = i;
+      for (; j > g && ekey[j - 1] > k; --j) {
+        order[j] = order[j - 1];
+        ekey[j] = ekey[j - 1];
+        eplace[j] = eplace[j - 1];
+        einfo[j] = einfo[j - 1];
+      }
+      order[j] = o;
+      ekey[j] = k;
+      eplace[j] = p;
+      einfo[j] = f;
+    }
+  };
+
+  auto one_round = [&](bool halve, bool other) -> int64_t {
+    const bool given = pre_free && round_no == 0;
+    const int rt = n_todo >= 2048 ? nt : 1;
+    // Thread r's buckets: the r-th of rt spans of the bucket ids (multiply-shift, as place.cpp);
+    // range rt holds the items that try no bucket this round.
+    const uint64_t span = (static_cast<uint64_t>(rt) << 32) / static_cast<uint64_t>(total_buckets);
+    auto range_of = [&](uint64_t entry) -> int {
+      return (entry & NONE) == NONE ? rt : static_cast<int>((static_cast<uint64_t>(bucket_of_entry(entry)) * span) >> 32);
+    };
+    int64_t count[MAX_THREADS][MAX_THREADS + 1] = {}, start[MAX_THREADS + 2], placed_in[MAX_THREADS + 1];
+    placed_in[0] = 0;
+#pragma omp parallel num_threads(rt)
+    {
+      const int a = omp_get_thread_num();
+      const int64_t chunk = (n_todo + rt - 1) / rt, lo = a * chunk, hi = lo + chunk < n_todo ? lo + chunk : n_todo;
+      // (A) The bucket each item of this thread's share tries, from both candidates' free slots
+      // as the round starts (in the first round as the probe read them).
+      for (int64_t k = lo; k < hi; ++k) {
+        const int64_t t = todo[k];
+        if (k + AHEAD < hi) {
+          const int64_t ahead = todo[k + AHEAD];
+          if (given) {
+            __builtin_prefetch(pre_free + missing[ahead]);
+          } else {
+            __builtin_prefetch(tags + b1[ahead] * W);
+            __builtin_prefetch(tags + b2[ahead] * W);
+          }
+        }
+        const int64_t seen = given ? pre_free[missing[t]] : 0;
+        const FreeSlots s1 = given ? unpack_free(seen, 0) : free_slots(tags, b1[t], W);
+        const FreeSlots s2 = given ? unpack_free(seen, 1) : free_slots(tags, b2[t], W);
+        uint64_t entry = NONE | static_cast<uint64_t>(t);
+        if (s1.count || s2.count) {
+          const bool tie_second = ((b1[t] ^ b2[t]) & 1) != 0;
+          const bool second = s2.count > s1.count || (s2.count == s1.count && tie_second);
+          const FreeSlots& s = second != other ? s2 : s1;
+          entry = static_cast<uint64_t>(second != other ? b2[t] : b1[t]) << ITEM_BITS | static_cast<uint64_t>(t);
+          info[t] = s.count | (s.first >= 0 ? s.first : 0) << 32;
+        }
+        sort_buffer[k] = entry;
+        ++count[a][range_of(entry)];
+      }
+#pragma omp barrier
+#pragma omp single
+      {
+        // Each range's entries, shares in turn (range rt last): where each share writes them.
+        int64_t at = 0;
+        for (int r = 0; r <= rt; ++r) {
+          start[r] = at;
+          for (int q = 0; q < rt; ++q) {
+            const int64_t c = count[q][r];
+            count[q][r] = at;
+            at += c;
+          }
+        }
+        start[rt + 1] = at;
+      }
+      for (int64_t k = lo; k < hi; ++k) order[count[a][range_of(sort_buffer[k])]++] = sort_buffer[k];
+#pragma omp barrier
+      // (B) Thread r's range by bucket, by key within a bucket (repeats side by side), with each
+      // entry's key, place and free slots beside it.
+      const int r = a;
+      const int64_t elo = start[r], ehi = start[r + 1];
+      sort_by_bucket(order + elo, sort_buffer + elo, ehi - elo, total_buckets);
+      for (int64_t e = elo; e < ehi; ++e) {
+        if (e + AHEAD < ehi) {
+          const int64_t ahead = static_cast<int64_t>(order[e + AHEAD] & ITEM_MASK);
+          __builtin_prefetch(missing + ahead);
+          __builtin_prefetch(info + ahead);
+        }
+        const int64_t t = static_cast<int64_t>(order[e] & ITEM_MASK);
+        eplace[e] = missing[t];
+        ekey[e] = keys[eplace[e]];
+        einfo[e] = info[t];
+      }
+      for (int64_t g = elo; g < ehi;) {
+        int64_t e = g + 1;
+        while (e < ehi && bucket_of_entry(order[e]) == bucket_of_entry(order[g])) ++e;
+        if (e - g > 1) sort_run(g, e);
+        g = e;
+      }
+      // How many keys the range places: each bucket's distinct keys, up to the round's limit
+      // (under the limit a bucket has a free slot for each: the limit is at most its free slots).
+      int64_t placed = 0;
+      for (int64_t g = elo; g < ehi;) {
+        const int64_t free_at_start = einfo[g] & 0xFFFFFFFF;
+        const int64_t limit = halve ? (free_at_start + 1) / 2 : free_at_start;
+        int64_t distinct = 0, e = g;
+        for (; e < ehi && bucket_of_entry(order[e]) == bucket_of_entry(order[g]); ++e) distinct += e == g || ekey[e] != ekey[e - 1];
+        placed += distinct < limit ? distinct : limit;
+        g = e;
+      }
+      placed_in[r + 1] = placed;
+#pragma omp barrier
+#pragma omp single
+      for (int q = 0; q < rt; ++q) placed_in[q + 1] += placed_in[q];
+      // (C) Place the range's buckets in turn: the j-th distinct key of a bucket takes its j-th
+      // free slot while j is under the round's limit. The round's slots ascending (the ranges in
+      // turn) get one free-list allocation: reused ids from the end of the stack first, then
+      // fresh ones.
+      const int64_t total = placed_in[rt], reused = total < top ? total : top;
+      int64_t k = placed_in[r];
+      for (int64_t g = elo; g < ehi;) {
+        if (g + AHEAD < ehi) {
+          const int64_t ahead = bucket_of_entry(order[g + AHEAD]) * W, likely = ahead + (einfo[g + AHEAD] >> 32);
+          __builtin_prefetch(tags + ahead, 1);
+          __builtin_prefetch(slot_keys.at(likely), 1);
+          if (!packed) {
+            __builtin_prefetch(slot_scores.at(likely), 1);
+            __builtin_prefetch(slot_rows.at(likely), 1);
+          }
+        }
+        const int64_t b = bucket_of_entry(order[g]);
+        const int64_t free_at_start = einfo[g] & 0xFFFFFFFF;
+        const int64_t limit = halve ? (free_at_start + 1) / 2 : free_at_start;
+        int64_t taken = 0, e = g;
+        while (e < ehi && bucket_of_entry(order[e]) == b) {
+          // One distinct key: entries [e, f) hold it.
+          const int64_t key = ekey[e];
+          int64_t f = e + 1;
+          while (f < ehi && bucket_of_entry(order[f]) == b && ekey[f] == key) ++f;
+          int64_t slot = -1;
+          if (taken < limit) {
+            const FreeSlots now = free_slots(tags, b, W);
+            slot = b * W + now.first;
+            write_slot(slot_keys, tags, slot_scores, slot, key, score);
+            const int64_t id = k < reused ? free_ids[top - reused + k] : high_water + (k - reused);
+            slot_rows.set(slot, id);
+            ++k;
+            ++taken;
+            for (int64_t q = e; q < f; ++q) {
+              pos[eplace[q]] = slot;
+              rows[eplace[q]] = id;
+            }
+          }
+          for (int64_t q = e; q < f; ++q) eslot[q] = slot;
+          e = f;
+        }
+        g = e;
+      }
+    }
+    const int64_t taken = placed_in[rt], reused = taken < top ? taken : top;
+    top -= reused;
+    high_water += taken - reused;
+    rounds[round_no++] = taken;
+    // The items left: those that tried no bucket, then those that got no slot.
+    int64_t kept = 0;
+    for (int64_t e = start[rt]; e < start[rt + 1]; ++e) todo[kept++] = static_cast<int64_t>(order[e] & ITEM_MASK);
+    for (int64_t e = 0; e < start[rt]; ++e)
+      if (eslot[e] < 0) todo[kept++] = static_cast<int64_t>(order[e] & ITEM_MASK);
+    n_todo = kept;
+    return taken;
+  };
+
+  placement_rounds(one_round, n_todo);
+  return n_todo;
+}

@@ -1,0 +1,84 @@
+"""The new keys of a find_or_insert under one clock value: placed, given row ids and put into the
+call's result in one call, from the missing keys as the upsert's probe left them (repeats
+included, in the call's order).
+
+U keys in the call, m places of missing keys among them. The plain-torch twin is the sequence
+``insert_new_native`` replaces in ``BatchPlacement._upsert`` (:mod:`dynemb.table.placement`): the
+missing keys sorted and de-duplicated (``sort_unique_first_torch``), placed in priority order
+(``BatchPlacement._place_free``, the rule of ``place.py``), one free-list allocation of row ids
+per placement round, and ``rows_of_new_torch``. The kernel gives the same slots, row ids, free
+list and result without sorting the keys (docs/design/0043).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dynemb.kernels import library, ptr, slot_step, threads
+from dynemb.kernels.place import MAX_ROUNDS
+
+
+def insert_new_native(
+    table_keys: torch.Tensor,
+    tags: torch.Tensor,
+    table_scores: torch.Tensor,
+    table_rows: torch.Tensor,
+    keys: torch.Tensor,
+    missing: torch.Tensor,
+    score: int,
+    pre_free: torch.Tensor | None,
+    free_ids: torch.Tensor,
+    high_water: int,
+    pos: torch.Tensor,
+    rows: torch.Tensor,
+    workspace,
+) -> tuple[int, list[int]] | None:
+    """Place the missing keys of one segment's index, in place; returns the places left without a
+    slot (0: every new key placed) and the slots each round took (the free list's allocations to
+    commit, in turn), or None where the kernel cannot take the call (nothing was written).
+
+    Args:
+        table_keys (Tensor[int64]), tags (Tensor[uint8]), table_scores (Tensor[int32|int64]),
+            table_rows (Tensor[int32|int64]): [B, W] the index's slots, written where keys are placed.
+        keys (Tensor[int64]): [U] the call's keys; missing (Tensor[int64]): [m] places in ``keys``
+            of the missing ones (a key may repeat).
+        score: the call's score, every new key's (fits ``table_scores``' dtype).
+        pre_free (Tensor[int64] | None): [U] the probe's ``pack_free`` of each place's candidates
+            (:func:`dynemb.kernels.upsert.found_and_missing_native`), or None.
+        free_ids (Tensor[int64]): the free list's reusable ids (:meth:`FreeList.reusable`);
+            high_water: its first never-used id.
+        pos, rows (Tensor[int64]): [U] the call's result, written at the places of placed keys.
+        workspace: a :class:`dynemb.workspace.Workspace` for the kernel's scratch.
+    """
+    keys, missing, free_ids = keys.contiguous(), missing.contiguous(), free_ids.contiguous()
+    m = missing.numel()
+    rounds = torch.zeros(MAX_ROUNDS, dtype=torch.int64)
+    cap = 10 * m
+    left = library().dyn_insert_new(
+        ptr(table_keys),
+        slot_step(table_keys),
+        ptr(tags),
+        ptr(table_scores),
+        table_keys.shape[1],
+        table_keys.shape[0],
+        table_scores.element_size(),
+        slot_step(table_scores),
+        ptr(table_rows),
+        table_rows.element_size(),
+        slot_step(table_rows),
+        ptr(keys),
+        ptr(missing),
+        m,
+        score,
+        ptr(pre_free),
+        ptr(free_ids),
+        free_ids.numel(),
+        high_water,
+        ptr(pos),
+        ptr(rows),
+        ptr(rounds),
+        ptr(workspace.get("insert_new", cap, (), torch.int64)),
+        cap,
+        threads(),
+    )
+    return None if left < 0 else (left, [r for r in rounds.tolist() if r])
