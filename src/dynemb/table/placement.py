@@ -16,6 +16,8 @@ their own segment's buckets, so every rule here holds per segment.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from dynemb.hashing import tag_of
@@ -81,8 +83,9 @@ class BatchPlacement:
         else:
             pos, found, missing = self._found_and_missing(unique, counts, batch_scores, lfu_add, uniform, seg)
         occurrences, spread = missing, None  # with repeated keys: [M'] every missing key's place, [M'] its rank
-        # Whether the compiled insert placed the new keys as they came (some may be left).
-        placed_first = False
+        # After the compiled insert, the keys it left go on alone; should displacement need every
+        # new key's rank, widen() builds them (see _place_rest).
+        widen = None
         if not distinct and self.native and seg is None and missing.numel() and self._places_without_growth(missing.numel()):
             left = self._insert_new_native(unique, missing, batch_scores, pos, found_rows, pre_free)
             if left == 0:
@@ -90,7 +93,10 @@ class BatchPlacement:
                 none = unique[:0]
                 no_seg = none if self.segmented else None
                 return IndexResult(pos, found_rows, found, ~found, none, none, none, none, no_seg, no_seg)
-            placed_first = left is not None
+            if left is not None:
+                # The placed keys have their slots and row ids in pos and rows (moves follow them).
+                widen = functools.partial(self._every_new_key, unique, missing, batch_scores)
+                occurrences = missing = missing.index_select(0, (pos.index_select(0, missing) < 0).nonzero().squeeze(1))
         if distinct or missing.numel() == 0:
             new_keys, new_seg = unique.index_select(0, missing), _pick(seg, missing)
         elif self.native and seg is None:
@@ -108,13 +114,11 @@ class BatchPlacement:
         # One clock value: every key of the call has the same score, so any M of them are the new keys'.
         new_scores = batch_scores[: missing.numel()] if uniform else batch_scores.index_select(0, missing)
         pending = new_pos = missing  # [M] ranks not placed yet and slots (none when every key was found)
-        if placed_first:
-            # The compiled insert placed what the first placement pass would have; the rest go on
-            # from there (into the result at the end, as after that pass).
-            new_pos = pos.index_select(0, missing)  # [M] slot once placed, -1 before
-            pos.index_fill_(0, occurrences, -1)
-            waiting = new_pos < 0
-            pending = waiting.nonzero().squeeze(1)
+        if widen is not None:
+            # The compiled insert was the first placement pass: every key left waits.
+            new_pos = torch.full_like(missing, -1)
+            waiting = torch.ones_like(missing, dtype=torch.bool)
+            pending = torch.arange(missing.numel())
         else:
             if self._grow_before(missing.numel(), new_seg):
                 pos, _ = self._locate(unique, seg)
@@ -125,7 +129,9 @@ class BatchPlacement:
                 waiting = ~placed  # [M] not placed yet
                 pending = waiting.nonzero().squeeze(1)
         if pending.numel():
-            pos, new_pos, pending = self._place_rest(unique, seg, missing, new_keys, new_scores, new_seg, pos, new_pos, waiting, pending)
+            pos, new_pos, pending, widened = self._place_rest(unique, seg, missing, new_keys, new_scores, new_seg, pos, new_pos, waiting, pending, widen)
+            if widened is not None:
+                missing, new_keys, new_scores, occurrences, spread = widened
 
         evicted = (torch.empty(0, dtype=torch.int64, device=self.device),) * 4
         if pending.numel() and self.strategy is not ScoreStrategy.NO_EVICTION:
@@ -175,15 +181,25 @@ class BatchPlacement:
         new_pos: torch.Tensor,
         waiting: torch.Tensor,
         pending: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        widen=None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
         """The passes after the first: growth, cuckoo moves and displacement for the P keys the
         first pass left ``pending`` (ranks into ``missing``, P > 0; ``waiting`` [M] marks them).
 
-        Returns pos [U] (slots of the found keys, moved where residents moved), new_pos [M] and
-        the ranks still pending (for eviction)."""
+        ``widen`` (after the compiled insert): the M keys here are only those it left, each
+        placed key's slot being in ``pos``; growth, moves and placement see just these keys, in
+        the same order as among all the new keys. Displacement weighs every new key's rank:
+        before it, ``widen`` gives every new key (:meth:`_every_new_key`), and the passes go on
+        with them.
+
+        Returns pos [U] (slots of the found keys, moved where residents moved), new_pos [M], the
+        ranks still pending (for eviction), and, if widened, the new keys' (missing, keys,
+        scores, occurrences, spread) to go on with (else None)."""
+        widened = None
         # New keys for which moving residents may still free a slot: a key none of whose
         # buckets' keys could move is not tried again in this call.
         hopeful = torch.ones_like(missing, dtype=torch.bool)  # [M]
+        gave_up = False  # whether every key was ruled out of the moves at once (GIVE_UP)
         # Each pass places at least one more key, or rules keys out of displacement, or improves
         # the priority of the placed ones (_displace), or ends. The host syncs per pass (sizes of
         # masked selections) are what lets the loop stop as soon as every key is placed.
@@ -213,12 +229,16 @@ class BatchPlacement:
                         # Few keys got room: the free slots left are hard to reach. Stop trying in
                         # this call, so that a nearly full index does not spend many passes per call.
                         hopeful.zero_()
+                        gave_up = True
                 if to_place.numel() == 0:
+                    if widen is not None:
+                        missing, new_keys, new_scores, occurrences, spread, new_pos, waiting, pending, hopeful = widen(pos, new_keys, new_pos, pending, hopeful, gave_up)
+                        widened, widen = (missing, new_keys, new_scores, occurrences, spread), None
                     # Full: keys that found no free slot take slots of lower-priority keys of the
                     # batch; displaced keys go round again (their other bucket may have room).
                     pending, displaced = self._displace(new_keys, new_scores, pending, new_pos, new_seg)
                     if not displaced:
-                        return pos, new_pos, pending
+                        return pos, new_pos, pending, widened
                     waiting.zero_().index_fill_(0, pending, True)
                     to_place = pending
             placed, placed_pos = self._place_free(new_keys.index_select(0, to_place), new_scores.index_select(0, to_place), _pick(new_seg, to_place))
@@ -227,7 +247,35 @@ class BatchPlacement:
             waiting.index_fill_(0, done, False)
             pending = waiting.nonzero().squeeze(1)
             if pending.numel() == 0:
-                return pos, new_pos, pending
+                return pos, new_pos, pending, widened
+
+    def _every_new_key(
+        self,
+        unique: torch.Tensor,
+        places: torch.Tensor,
+        batch_scores: torch.Tensor,
+        pos: torch.Tensor,
+        left_keys: torch.Tensor,
+        left_pos: torch.Tensor,
+        left_pending: torch.Tensor,
+        left_hopeful: torch.Tensor,
+        gave_up: bool,
+    ) -> tuple:
+        """Every new key of a call after the compiled insert, as the sorted path holds them, from
+        ``places`` (the M' places of missing keys in ``unique``), ``pos`` (the placed keys' slots
+        there) and the state of the P keys it left (``left_keys`` ascending, their slots, pending
+        ranks and hopeful flags; ``gave_up``: every key was ruled out of the moves at once).
+
+        Returns missing [M], keys [M] (ascending), scores [M], occurrences [M'], spread [M'],
+        new_pos [M], waiting [M], pending and hopeful [M]."""
+        keys, spread, first = sort_unique_first_native(unique.index_select(0, places))
+        missing = places.index_select(0, first)
+        at = torch.searchsorted(keys, left_keys)  # [P] the left keys' ranks among all
+        new_pos = pos.index_select(0, missing).index_copy_(0, at, left_pos)
+        hopeful = torch.full_like(keys, not gave_up, dtype=torch.bool).index_copy_(0, at, left_hopeful)
+        pending = at.index_select(0, left_pending)
+        waiting = torch.zeros_like(hopeful).index_fill_(0, pending, True)
+        return missing, keys, batch_scores[: keys.numel()], places, spread, new_pos, waiting, pending, hopeful
 
     def _found_and_missing(
         self, unique: torch.Tensor, counts: torch.Tensor, batch_scores: torch.Tensor, lfu_add: bool, uniform: bool, seg: torch.Tensor | None
