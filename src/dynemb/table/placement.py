@@ -232,7 +232,9 @@ class BatchPlacement:
                         gave_up = True
                 if to_place.numel() == 0:
                     if widen is not None:
-                        missing, new_keys, new_scores, occurrences, spread, new_pos, waiting, pending, hopeful = widen(pos, new_keys, new_pos, pending, hopeful, gave_up)
+                        missing, new_keys, new_scores, occurrences, spread, new_pos, waiting, pending, hopeful = widen(
+                            pos, new_keys, new_pos, pending, hopeful, gave_up
+                        )
                         widened, widen = (missing, new_keys, new_scores, occurrences, spread), None
                     # Full: keys that found no free slot take slots of lower-priority keys of the
                     # batch; displaced keys go round again (their other bucket may have room).
