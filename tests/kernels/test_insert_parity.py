@@ -40,7 +40,7 @@ class Counting:
 
 def sorted_path(monkeypatch, index: KeyIndex) -> None:
     """``index`` never takes the compiled insert (its calls go the sorted way)."""
-    monkeypatch.setattr(index, "_places_without_growth", lambda m: False)
+    monkeypatch.setattr(index, "_places_without_growth", lambda m, new_seg: False)
 
 
 def drive(monkeypatch, make, batches, *, erase_every: int = 2, now0: int = 1):
@@ -60,6 +60,44 @@ def drive(monkeypatch, make, batches, *, erase_every: int = 2, now0: int = 1):
             for index in (fast, native_sorted, torch_index):
                 index.erase(gone)
     return counting
+
+
+def distinct_pairs(keys: torch.Tensor, seg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct (segment, key) pairs, sorted by segment, then key: upsert_unique's input."""
+    order = torch.sort(keys, stable=True).indices
+    order = order[torch.sort(seg[order], stable=True).indices]
+    keys, seg = keys[order], seg[order]
+    first = torch.ones_like(keys, dtype=torch.bool)
+    first[1:] = (keys[1:] != keys[:-1]) | (seg[1:] != seg[:-1])
+    return keys[first], seg[first]
+
+
+@pytest.mark.parametrize("segmented", [False, True])
+def test_upsert_unique_of_training_lookups(monkeypatch, segmented):
+    # The training path: distinct keys (a collection's tables as segments), one clock value a
+    # step; keys left to the moves, displacement and eviction once the segments fill.
+    g = torch.Generator().manual_seed(15)
+    if segmented:
+        make = lambda b: KeyIndex(capacities=[256, 1024, 64], bucket_capacity=8, backend=b)
+    else:
+        make = lambda b: KeyIndex(capacity=1024, bucket_capacity=8, backend=b)
+    counting = Counting(monkeypatch)
+    fast, native_sorted, torch_index = make("native"), make("native"), make("torch")
+    sorted_path(monkeypatch, native_sorted)
+    for step in range(12):
+        n = 40 if step < 2 else 700  # small first calls: every key placed; then the segments fill
+        keys = torch.randint(0, 3000, (n,), generator=g) * 11 - 5000
+        seg = torch.randint(0, 3, (n,), generator=g) if segmented else torch.zeros(n, dtype=torch.int64)
+        unique, useg = distinct_pairs(keys, seg)
+        kw = {"segments": useg} if segmented else {}
+        results = [index.upsert_unique(unique, torch.ones_like(unique), now=step + 1, **kw) for index in (fast, native_sorted, torch_index)]
+        for other, index in zip(results[1:], (native_sorted, torch_index)):
+            assert_same_result(results[0], other)
+            assert_same_index(fast, index)
+        if step % 3 == 2:
+            for index in (fast, native_sorted, torch_index):
+                index.erase(unique[::4], **({"segments": useg[::4]} if segmented else {}))
+    assert counting.placed_all > 0 and counting.left_some > 0
 
 
 def test_random_keys_with_repeats_and_reused_row_ids(monkeypatch):

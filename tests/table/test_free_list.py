@@ -68,6 +68,19 @@ def test_borrowed_ids_are_the_same_ids_without_a_copy():
     assert torch.equal(got, ids([5, 4]))
 
 
+def test_reusable_ids_are_what_allocations_take_from_the_end():
+    # A kernel that hands out ids as allocate would reads them here: allocations take the last
+    # k reusable ids (in stack order), then fresh ids from high_water.
+    fl = FreeList(10)
+    fl.allocate(6)
+    fl.release(ids([4, 1, 3]))
+    assert torch.equal(fl.reusable(), ids([4, 1, 3])) and fl.high_water == 6
+    assert torch.equal(fl.allocate(2), ids([1, 3]))
+    assert torch.equal(fl.reusable(), ids([4]))
+    assert torch.equal(fl.allocate(3), ids([4, 6, 7]))
+    assert fl.reusable().numel() == 0 and fl.high_water == 8
+
+
 def test_every_id_handed_out_once_through_many_cycles():
     fl = FreeList(2000)
     held = set(fl.allocate(1500).tolist())

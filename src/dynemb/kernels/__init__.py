@@ -1,7 +1,8 @@
 """Compiled CPU kernels for the hot loops, each beside its plain-torch twin (docs/design/0037).
 
 One file per operation: ``locate`` (find keys in the index), ``upsert`` (found keys' scores,
-missing keys in priority order), ``place`` (new keys into free slots), ``dedup`` (a batch's
+missing keys in priority order), ``place`` (new keys into free slots), ``insert`` (a clocked
+call's new keys placed, given row ids and put into its result in one pass), ``dedup`` (a batch's
 distinct keys, inverse, counts, grouping), ``init`` (new rows into the store), ``update`` (the
 optimizer step on the store's rows). Each ``.py`` holds (or names) the plain-torch twin (the CPU
 oracle, and what runs on other devices or where the kernels cannot build) and the launcher of

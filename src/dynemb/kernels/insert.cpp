@@ -60,6 +60,9 @@ extern "C" int64_t dyn_insert_new(
     int64_t row_bytes,
     int64_t row_step,            // elements from one slot's row id to the next (1, or 4 packed)
     const int64_t* keys,         // [U] the call's keys
+    const int64_t* seg,          // [U] their segments, or null (one segment)
+    const int64_t* seg_counts,   // [S] buckets of each segment (with seg)
+    const int64_t* seg_offsets,  // [S] first bucket of each segment (with seg)
     const int64_t* missing,      // [m] places in keys of the missing keys (repeats allowed)
     int64_t m,
     int64_t score,               // the call's score, every new key's
@@ -70,15 +73,17 @@ extern "C" int64_t dyn_insert_new(
     int64_t* pos,                // [U] out at the places of new keys placed: their slots
     int64_t* rows,               // [U] out there: their row ids
     int64_t* rounds,             // [MAX_ROUNDS] out: slots taken in each round (0 after the last)
-    int64_t* scratch,            // [10m] the caller's reused buffer
+    int64_t* seg_placed,         // [S] or null (with seg): each segment's placed keys are added
+    int64_t* scratch,            // [8m] the caller's reused buffer
     int64_t cap,                 // its size
     int64_t nthreads) {
   for (int r = 0; r < MAX_ROUNDS; ++r) rounds[r] = 0;
   if (m == 0) return 0;
-  if (cap < 10 * m || m > static_cast<int64_t>(ITEM_MASK) || total_buckets >= (int64_t(1) << (64 - ITEM_BITS - 1))) return -1;
-  // Per item t (the place missing[t]): its candidates, and as the round starts the free slots
-  // of the bucket it tries and the first of them (``info``: count | first << 32).
-  int64_t *b1 = scratch, *b2 = b1 + m, *info = b2 + m, *todo = info + m;
+  if (cap < 8 * m || m > static_cast<int64_t>(ITEM_MASK) || total_buckets >= (int64_t(1) << (64 - ITEM_BITS - 1))) return -1;
+  // Per item t (the place missing[t]): as the round starts, the free slots of the bucket it
+  // tries and the first of them (``info``: count | first << 32). ``todo``: the items of a round
+  // after the first (the first takes every item, in order).
+  int64_t *info = scratch, *todo = info + m;
   // Per entry of the round's ``order`` (the items that try a bucket, by bucket, then key): the
   // key, its place, its info, the slot it got (-1: none).
   uint64_t* order = reinterpret_cast<uint64_t*>(todo + m);
@@ -88,14 +93,9 @@ extern "C" int64_t dyn_insert_new(
   const IntCol slot_scores(table_scores, score_bytes, score_step);
   const IntCol slot_rows(table_rows, row_bytes, row_step);
   const bool packed = same_record(slot_keys, slot_scores) && same_record(slot_keys, slot_rows);
-  const Candidates cand{nullptr, nullptr, nullptr, total_buckets};
+  const Candidates cand{seg, seg_counts, seg_offsets, total_buckets};
   int nt = threads(nthreads, m, 2048);
   if (nt > MAX_THREADS) nt = MAX_THREADS;
-#pragma omp parallel for schedule(static) num_threads(nt)
-  for (int64_t t = 0; t < m; ++t) {
-    cand.of(keys[missing[t]], t, &b1[t], &b2[t]);
-    todo[t] = t;
-  }
   constexpr uint64_t NONE = ~uint64_t(0) << ITEM_BITS;  // the bucket part of an item that tries none
   auto bucket_of_entry = [](uint64_t entry) -> int64_t { return static_cast<int64_t>(entry >> ITEM_BITS); };
   int64_t n_todo = m;
@@ -138,25 +138,25 @@ extern "C" int64_t dyn_insert_new(
       // (A) The bucket each item of this thread's share tries, from both candidates' free slots
       // as the round starts (in the first round as the probe read them).
       for (int64_t k = lo; k < hi; ++k) {
-        const int64_t t = todo[k];
-        if (k + AHEAD < hi) {
+        const int64_t t = round_no == 0 ? k : todo[k];
+        int64_t b1, b2;
+        cand.of(keys[missing[t]], missing[t], &b1, &b2);
+        if (!given && k + AHEAD < hi) {
+          int64_t a1, a2;
           const int64_t ahead = todo[k + AHEAD];
-          if (given) {
-            __builtin_prefetch(pre_free + missing[ahead]);
-          } else {
-            __builtin_prefetch(tags + b1[ahead] * W);
-            __builtin_prefetch(tags + b2[ahead] * W);
-          }
+          cand.of(keys[missing[ahead]], missing[ahead], &a1, &a2);
+          __builtin_prefetch(tags + a1 * W);
+          __builtin_prefetch(tags + a2 * W);
         }
         const int64_t seen = given ? pre_free[missing[t]] : 0;
-        const FreeSlots s1 = given ? unpack_free(seen, 0) : free_slots(tags, b1[t], W);
-        const FreeSlots s2 = given ? unpack_free(seen, 1) : free_slots(tags, b2[t], W);
+        const FreeSlots s1 = given ? unpack_free(seen, 0) : free_slots(tags, b1, W);
+        const FreeSlots s2 = given ? unpack_free(seen, 1) : free_slots(tags, b2, W);
         uint64_t entry = NONE | static_cast<uint64_t>(t);
         if (s1.count || s2.count) {
-          const bool tie_second = ((b1[t] ^ b2[t]) & 1) != 0;
+          const bool tie_second = ((b1 ^ b2) & 1) != 0;
           const bool second = s2.count > s1.count || (s2.count == s1.count && tie_second);
           const FreeSlots& s = second != other ? s2 : s1;
-          entry = static_cast<uint64_t>(second != other ? b2[t] : b1[t]) << ITEM_BITS | static_cast<uint64_t>(t);
+          entry = static_cast<uint64_t>(second != other ? b2 : b1) << ITEM_BITS | static_cast<uint64_t>(t);
           info[t] = s.count | (s.first >= 0 ? s.first : 0) << 32;
         }
         sort_buffer[k] = entry;
@@ -195,20 +195,18 @@ extern "C" int64_t dyn_insert_new(
         ekey[e] = keys[eplace[e]];
         einfo[e] = info[t];
       }
+      // Each bucket's keys in key order, and how many the range places: each bucket's distinct
+      // keys, up to the round's limit (under the limit a bucket has a free slot for each: the
+      // limit is at most its free slots).
+      int64_t placed = 0;
       for (int64_t g = elo; g < ehi;) {
         int64_t e = g + 1;
         while (e < ehi && bucket_of_entry(order[e]) == bucket_of_entry(order[g])) ++e;
         if (e - g > 1) sort_run(g, e);
-        g = e;
-      }
-      // How many keys the range places: each bucket's distinct keys, up to the round's limit
-      // (under the limit a bucket has a free slot for each: the limit is at most its free slots).
-      int64_t placed = 0;
-      for (int64_t g = elo; g < ehi;) {
+        int64_t distinct = 1;
+        for (int64_t q = g + 1; q < e; ++q) distinct += ekey[q] != ekey[q - 1];
         const int64_t free_at_start = einfo[g] & 0xFFFFFFFF;
         const int64_t limit = halve ? (free_at_start + 1) / 2 : free_at_start;
-        int64_t distinct = 0, e = g;
-        for (; e < ehi && bucket_of_entry(order[e]) == bucket_of_entry(order[g]); ++e) distinct += e == g || ekey[e] != ekey[e - 1];
         placed += distinct < limit ? distinct : limit;
         g = e;
       }
@@ -246,6 +244,7 @@ extern "C" int64_t dyn_insert_new(
             const FreeSlots now = free_slots(tags, b, W);
             slot = b * W + now.first;
             write_slot(slot_keys, tags, slot_scores, slot, key, score);
+            if (seg_placed) __atomic_fetch_add(seg_placed + seg[eplace[e]], 1, __ATOMIC_RELAXED);
             const int64_t id = k < reused ? free_ids[top - reused + k] : high_water + (k - reused);
             slot_rows.set(slot, id);
             ++k;

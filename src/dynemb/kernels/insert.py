@@ -23,7 +23,9 @@ def insert_new_native(
     tags: torch.Tensor,
     table_scores: torch.Tensor,
     table_rows: torch.Tensor,
+    segments,
     keys: torch.Tensor,
+    seg: torch.Tensor | None,
     missing: torch.Tensor,
     score: int,
     pre_free: torch.Tensor | None,
@@ -32,6 +34,7 @@ def insert_new_native(
     pos: torch.Tensor,
     rows: torch.Tensor,
     workspace,
+    per_segment: torch.Tensor | None = None,
 ) -> tuple[int, list[int]] | None:
     """Place the missing keys of one segment's index, in place; returns the places left without a
     slot (0: every new key placed) and the slots each round took (the free list's allocations to
@@ -40,8 +43,10 @@ def insert_new_native(
     Args:
         table_keys (Tensor[int64]), tags (Tensor[uint8]), table_scores (Tensor[int32|int64]),
             table_rows (Tensor[int32|int64]): [B, W] the index's slots, written where keys are placed.
-        keys (Tensor[int64]): [U] the call's keys; missing (Tensor[int64]): [m] places in ``keys``
-            of the missing ones (a key may repeat).
+        segments: the index's :class:`dynemb.table.geometry.Segments`.
+        keys (Tensor[int64]): [U] the call's keys; seg (Tensor[int64] | None): [U] their
+            segments (None: one segment); missing (Tensor[int64]): [m] places in ``keys`` of the
+            missing ones (a key may repeat within a segment).
         score: the call's score, every new key's (fits ``table_scores``' dtype).
         pre_free (Tensor[int64] | None): [U] the probe's ``pack_free`` of each place's candidates
             (:func:`dynemb.kernels.upsert.found_and_missing_native`), or None.
@@ -49,11 +54,13 @@ def insert_new_native(
             high_water: its first never-used id.
         pos, rows (Tensor[int64]): [U] the call's result, written at the places of placed keys.
         workspace: a :class:`dynemb.workspace.Workspace` for the kernel's scratch.
+        per_segment (Tensor[int64] | None): [S] with ``seg``: each segment's placed keys are added.
     """
     keys, missing, free_ids = keys.contiguous(), missing.contiguous(), free_ids.contiguous()
+    seg = None if seg is None else seg.contiguous()
     m = missing.numel()
     rounds = torch.zeros(MAX_ROUNDS, dtype=torch.int64)
-    cap = 10 * m
+    cap = 8 * m
     left = library().dyn_insert_new(
         ptr(table_keys),
         slot_step(table_keys),
@@ -67,6 +74,9 @@ def insert_new_native(
         table_rows.element_size(),
         slot_step(table_rows),
         ptr(keys),
+        ptr(seg),
+        None if seg is None else ptr(segments.counts),
+        None if seg is None else ptr(segments.offsets),
         ptr(missing),
         m,
         score,
@@ -77,6 +87,7 @@ def insert_new_native(
         ptr(pos),
         ptr(rows),
         ptr(rounds),
+        ptr(per_segment),
         ptr(workspace.get("insert_new", cap, (), torch.int64)),
         cap,
         threads(),

@@ -28,6 +28,20 @@ class Growth:
         """Whether some segment is below its maximum buckets."""
         return self.num_buckets < self.max_buckets
 
+    def _would_grow(self, missing: int, new_seg: torch.Tensor | None) -> bool:
+        """Whether :meth:`_grow_before` would grow the index for these new keys (nothing changes)."""
+        if not self._can_grow():
+            return False
+        W, limit = self.bucket_capacity, self.max_load_factor
+        if new_seg is None:
+            return self._size + missing > limit * self.current_capacity()
+        sizes = self._segment_size.tolist()
+        adding = torch.bincount(new_seg, minlength=self.num_segments).tolist()
+        return any(
+            buckets < most and size + add > limit * (buckets * W)
+            for size, add, buckets, most in zip(sizes, adding, self._segments.buckets, self._segment_max_buckets)
+        )
+
     def _grow_before(self, missing: int, new_seg: torch.Tensor | None) -> bool:
         """Double every segment that placing its new keys would take past ``max_load_factor``
         (``missing``: M new keys; ``new_seg``: [M] their segments, None with one segment).

@@ -86,8 +86,8 @@ class BatchPlacement:
         # After the compiled insert, the keys it left go on alone; should displacement need every
         # new key's rank, widen() builds them (see _place_rest).
         widen = None
-        if not distinct and self.native and seg is None and missing.numel() and self._places_without_growth(missing.numel()):
-            left = self._insert_new_native(unique, missing, batch_scores, pos, found_rows, pre_free)
+        if uniform and self.native and missing.numel() and (distinct or seg is None) and self._places_without_growth(missing.numel(), _pick(seg, missing)):
+            left = self._insert_new_native(unique, seg, missing, batch_scores, pos, found_rows, pre_free)
             if left == 0:
                 # Every new key placed, with its slot and row id in the result: nothing evicted or failed.
                 none = unique[:0]
@@ -95,7 +95,7 @@ class BatchPlacement:
                 return IndexResult(pos, found_rows, found, ~found, none, none, none, none, no_seg, no_seg)
             if left is not None:
                 # The placed keys have their slots and row ids in pos and rows (moves follow them).
-                widen = functools.partial(self._every_new_key, unique, missing, batch_scores)
+                widen = functools.partial(self._every_new_key, unique, seg, missing, batch_scores, distinct)
                 occurrences = missing = missing.index_select(0, (pos.index_select(0, missing) < 0).nonzero().squeeze(1))
         if distinct or missing.numel() == 0:
             new_keys, new_seg = unique.index_select(0, missing), _pick(seg, missing)
@@ -131,7 +131,7 @@ class BatchPlacement:
         if pending.numel():
             pos, new_pos, pending, widened = self._place_rest(unique, seg, missing, new_keys, new_scores, new_seg, pos, new_pos, waiting, pending, widen)
             if widened is not None:
-                missing, new_keys, new_scores, occurrences, spread = widened
+                missing, new_keys, new_scores, new_seg, occurrences, spread = widened
 
         evicted = (torch.empty(0, dtype=torch.int64, device=self.device),) * 4
         if pending.numel() and self.strategy is not ScoreStrategy.NO_EVICTION:
@@ -194,7 +194,7 @@ class BatchPlacement:
 
         Returns pos [U] (slots of the found keys, moved where residents moved), new_pos [M], the
         ranks still pending (for eviction), and, if widened, the new keys' (missing, keys,
-        scores, occurrences, spread) to go on with (else None)."""
+        scores, segments, occurrences, spread) to go on with (else None)."""
         widened = None
         # New keys for which moving residents may still free a slot: a key none of whose
         # buckets' keys could move is not tried again in this call.
@@ -232,10 +232,9 @@ class BatchPlacement:
                         gave_up = True
                 if to_place.numel() == 0:
                     if widen is not None:
-                        missing, new_keys, new_scores, occurrences, spread, new_pos, waiting, pending, hopeful = widen(
-                            pos, new_keys, new_pos, pending, hopeful, gave_up
-                        )
-                        widened, widen = (missing, new_keys, new_scores, occurrences, spread), None
+                        widened, (new_pos, waiting, pending, hopeful) = widen(pos, missing, new_pos, pending, hopeful, gave_up)
+                        missing, new_keys, new_scores, new_seg, _, _ = widened
+                        widen = None
                     # Full: keys that found no free slot take slots of lower-priority keys of the
                     # batch; displaced keys go round again (their other bucket may have room).
                     pending, displaced = self._displace(new_keys, new_scores, pending, new_pos, new_seg)
@@ -254,30 +253,40 @@ class BatchPlacement:
     def _every_new_key(
         self,
         unique: torch.Tensor,
+        seg: torch.Tensor | None,
         places: torch.Tensor,
         batch_scores: torch.Tensor,
+        distinct: bool,
         pos: torch.Tensor,
-        left_keys: torch.Tensor,
+        left_places: torch.Tensor,
         left_pos: torch.Tensor,
         left_pending: torch.Tensor,
         left_hopeful: torch.Tensor,
         gave_up: bool,
-    ) -> tuple:
+    ) -> tuple[tuple, tuple]:
         """Every new key of a call after the compiled insert, as the sorted path holds them, from
-        ``places`` (the M' places of missing keys in ``unique``), ``pos`` (the placed keys' slots
-        there) and the state of the P keys it left (``left_keys`` ascending, their slots, pending
-        ranks and hopeful flags; ``gave_up``: every key was ruled out of the moves at once).
+        ``places`` (the M' places of missing keys in ``unique``, ascending), ``pos`` (the placed
+        keys' slots there) and the state of the P keys it left: one place of each
+        (``left_places``, in priority order), their slots, pending ranks and hopeful flags
+        (``gave_up``: every key was ruled out of the moves at once). ``distinct``: ``unique``
+        holds each key once (then in priority order, segments first), else one segment's keys
+        as they came.
 
-        Returns missing [M], keys [M] (ascending), scores [M], occurrences [M'], spread [M'],
-        new_pos [M], waiting [M], pending and hopeful [M]."""
-        keys, spread, first = sort_unique_first_native(unique.index_select(0, places))
-        missing = places.index_select(0, first)
-        at = torch.searchsorted(keys, left_keys)  # [P] the left keys' ranks among all
+        Returns (missing [M], keys [M], scores [M], segments [M] or None, occurrences [M'],
+        spread [M'] or None) and (new_pos [M], waiting [M], pending, hopeful [M])."""
+        if distinct:
+            keys, spread, missing = unique.index_select(0, places), None, places
+            at = torch.searchsorted(places, left_places)  # [P] the left keys' ranks among all
+        else:
+            keys, spread, first = sort_unique_first_native(unique.index_select(0, places))
+            missing = places.index_select(0, first)
+            at = torch.searchsorted(keys, unique.index_select(0, left_places))
         new_pos = pos.index_select(0, missing).index_copy_(0, at, left_pos)
         hopeful = torch.full_like(keys, not gave_up, dtype=torch.bool).index_copy_(0, at, left_hopeful)
         pending = at.index_select(0, left_pending)
         waiting = torch.zeros_like(hopeful).index_fill_(0, pending, True)
-        return missing, keys, batch_scores[: keys.numel()], places, spread, new_pos, waiting, pending, hopeful
+        every = (missing, keys, batch_scores[: keys.numel()], _pick(seg, missing), places, spread)
+        return every, (new_pos, waiting, pending, hopeful)
 
     def _found_and_missing(
         self, unique: torch.Tensor, counts: torch.Tensor, batch_scores: torch.Tensor, lfu_add: bool, uniform: bool, seg: torch.Tensor | None
@@ -383,15 +392,21 @@ class BatchPlacement:
         one_round(halve=False, other=True)
         return placed, pos
 
-    def _places_without_growth(self, m: int) -> bool:
-        """Whether up to ``m`` new keys go into this index as it is: room left, and no growth
-        before placing them (so that placing fewer, once de-duplicated, grows nothing either)."""
-        if self._size >= self.current_capacity():
-            return False
-        return not self._can_grow() or self._size + m <= self.max_load_factor * self.current_capacity()
+    def _places_without_growth(self, m: int, new_seg: torch.Tensor | None) -> bool:
+        """Whether up to ``m`` new keys (of segments ``new_seg``, [m] or None) go into this index
+        as it is: room left, and no growth before placing them (so that placing fewer, once
+        de-duplicated, grows nothing either)."""
+        return self._size < self.current_capacity() and not self._would_grow(m, new_seg)
 
     def _insert_new_native(
-        self, keys: torch.Tensor, missing: torch.Tensor, batch_scores: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, pre_free: torch.Tensor | None
+        self,
+        keys: torch.Tensor,
+        seg: torch.Tensor | None,
+        missing: torch.Tensor,
+        batch_scores: torch.Tensor,
+        pos: torch.Tensor,
+        rows: torch.Tensor,
+        pre_free: torch.Tensor | None,
     ) -> int | None:
         """The first placement pass of a call under one clock value by the compiled insert, from
         the probe's missing places (repeats included; :func:`dynemb.kernels.insert.insert_new_native`):
@@ -400,8 +415,11 @@ class BatchPlacement:
         call (nothing was done)."""
         free = self.free_list
         score = int(batch_scores[0])
+        # The kernel counts each segment's placed keys (no slot -> segment mapping afterwards).
+        per_segment = None if seg is None else torch.zeros(self.num_segments, dtype=torch.int64)
+        tables = (self._keys, self._tags, self._scores, self._rows)
         got = insert_new_native(
-            self._keys, self._tags, self._scores, self._rows, keys, missing, score, pre_free, free.reusable(), free.high_water, pos, rows, self._workspace
+            *tables, self._segments, keys, seg, missing, score, pre_free, free.reusable(), free.high_water, pos, rows, self._workspace, per_segment
         )
         if got is None:
             return None
@@ -411,7 +429,7 @@ class BatchPlacement:
             free.allocate(n, borrow=True)
         placed = sum(rounds)
         self._size += placed
-        self._count("inserts", n=placed)
+        self._count("inserts", n=placed, per_segment=per_segment)
         return left
 
     def _place_free_native(
