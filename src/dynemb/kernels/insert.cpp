@@ -73,7 +73,8 @@ extern "C" int64_t dyn_insert_new(
     int64_t* pos,                // [U] out at the places of new keys placed: their slots
     int64_t* rows,               // [U] out there: their row ids
     int64_t* rounds,             // [MAX_ROUNDS] out: slots taken in each round (0 after the last)
-    int64_t* seg_placed,         // [S] or null (with seg): each segment's placed keys are added
+    int64_t* seg_placed,         // [S] or null (with seg, whose keys must not repeat): each
+                                 // segment's placed keys are added
     int64_t* scratch,            // [8m] the caller's reused buffer
     int64_t cap,                 // its size
     int64_t nthreads) {
@@ -244,7 +245,6 @@ extern "C" int64_t dyn_insert_new(
             const FreeSlots now = free_slots(tags, b, W);
             slot = b * W + now.first;
             write_slot(slot_keys, tags, slot_scores, slot, key, score);
-            if (seg_placed) __atomic_fetch_add(seg_placed + seg[eplace[e]], 1, __ATOMIC_RELAXED);
             const int64_t id = k < reused ? free_ids[top - reused + k] : high_water + (k - reused);
             slot_rows.set(slot, id);
             ++k;
@@ -274,5 +274,9 @@ extern "C" int64_t dyn_insert_new(
   };
 
   placement_rounds(one_round, n_todo);
+  // Each segment's placed keys (with segments every key comes once: a placed place has a slot).
+  if (seg && seg_placed)
+    for (int64_t t = 0; t < m; ++t)
+      if (pos[missing[t]] >= 0) ++seg_placed[seg[missing[t]]];
   return n_todo;
 }

@@ -46,7 +46,7 @@ def insert_new_native(
         segments: the index's :class:`dynemb.table.geometry.Segments`.
         keys (Tensor[int64]): [U] the call's keys; seg (Tensor[int64] | None): [U] their
             segments (None: one segment); missing (Tensor[int64]): [m] places in ``keys`` of the
-            missing ones (a key may repeat within a segment).
+            missing ones (a key may repeat only without ``seg``).
         score: the call's score, every new key's (fits ``table_scores``' dtype).
         pre_free (Tensor[int64] | None): [U] the probe's ``pack_free`` of each place's candidates
             (:func:`dynemb.kernels.upsert.found_and_missing_native`), or None.
