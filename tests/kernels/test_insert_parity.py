@@ -126,6 +126,16 @@ def test_one_crowded_bucket(monkeypatch, strategy):
     assert counting.placed_all > 0 and counting.left_some > 0
 
 
+def test_many_keys_crowding_one_bucket(monkeypatch):
+    # Hundreds of new keys (and repeats) choosing one bucket in a round: the kernel orders such
+    # a bucket's keys through a sorted permutation rather than by insertion.
+    keys = t(same_bucket_keys(4, 600))
+    batches = [keys[:300], torch.cat([keys[200:600], keys[250:400]]).flip(0), keys]
+    make = lambda b: KeyIndex(capacity=64, bucket_capacity=16, score_strategy="step", backend=b)
+    counting = drive(monkeypatch, make, batches, erase_every=2)
+    assert counting.left_some > 0
+
+
 def test_extreme_keys_and_repeats(monkeypatch):
     batches = [t(SPECIAL), t(SPECIAL * 4 + [5] * 50), torch.cat([t(SPECIAL), random_keys(500, 3)]), random_keys(500, 3).repeat(3)]
     drive(monkeypatch, lambda b: KeyIndex(capacity=4096, bucket_capacity=16, backend=b), batches)

@@ -31,7 +31,7 @@ def same_bucket_keys(num_buckets: int, n: int) -> list[int]:
     """n keys whose two candidate buckets are both bucket 0 (so they crowd one bucket)."""
     found, start = [], 1
     while len(found) < n:
-        batch = torch.arange(start, start + 1 << 16, dtype=torch.int64)
+        batch = torch.arange(start, start + (1 << 16), dtype=torch.int64)
         b1, b2 = candidate_buckets(batch, num_buckets)
         found += batch[(b1 == 0) & (b2 == 0)].tolist()
         start += 1 << 16

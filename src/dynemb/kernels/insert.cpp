@@ -1,6 +1,6 @@
-// Native: the new keys of a find_or_insert under one clock value, placed, given row ids and put
-// into the call's result in one call, from the missing keys as the probe left them (repeats
-// included, in the call's order). It gives the slots, row ids, free list and result of the
+// Native: the new keys of an upsert under one clock value, placed, given row ids and put into
+// the call's result in one call, from the missing keys as the probe left them (repeats
+// included, in the call's order, for a find_or_insert). It gives the slots, row ids, free list and result of the
 // plain-torch sequence it replaces in BatchPlacement._upsert (docs/design/0043): sort and
 // de-duplicate the missing keys, place them (place.cpp's rule, docs/design/0006), hand out one
 // allocation of row ids per round (each round's slots ascending), write the result.
@@ -22,6 +22,8 @@ static constexpr int MAX_ROUNDS = PLACEMENT_ROUNDS;
 static constexpr int MAX_THREADS = 8;
 // Groups whose lines are requested ahead of the one placed.
 static constexpr int AHEAD = 16;
+// Longest run of one bucket's entries ordered by insertion.
+static constexpr int64_t SHORT_RUN = 32;
 // Bits of an entry of the sort array below its bucket: the item.
 static constexpr int ITEM_BITS = 32;
 static constexpr uint64_t ITEM_MASK = (uint64_t(1) << ITEM_BITS) - 1;
@@ -102,8 +104,25 @@ extern "C" int64_t dyn_insert_new(
   int64_t n_todo = m;
   int round_no = 0;
 
-  // Entries [g, e) of one bucket in key order, their arrays with them (a bucket's new keys are few).
+  // Entries [g, e) of one bucket in key order, their arrays with them: by insertion for the
+  // few new keys a bucket usually gets, else through a sorted permutation (keys crowding one
+  // bucket must not cost a quadratic sort).
   auto sort_run = [&](int64_t g, int64_t e) {
+    if (e - g > SHORT_RUN) {
+      std::vector<int64_t> perm(e - g);
+      for (int64_t i = 0; i < e - g; ++i) perm[i] = g + i;
+      std::sort(perm.begin(), perm.end(), [&](int64_t a, int64_t b) { return ekey[a] < ekey[b]; });
+      const std::vector<uint64_t> o(order + g, order + e);
+      const std::vector<int64_t> k(ekey + g, ekey + e), p(eplace + g, eplace + e), f(einfo + g, einfo + e);
+      for (int64_t i = 0; i < e - g; ++i) {
+        const int64_t from = perm[i] - g;
+        order[g + i] = o[from];
+        ekey[g + i] = k[from];
+        eplace[g + i] = p[from];
+        einfo[g + i] = f[from];
+      }
+      return;
+    }
     for (int64_t i = g + 1; i < e; ++i) {
       const uint64_t o = order[i];
       const int64_t k = ekey[i], p = eplace[i], f = einfo[i];
