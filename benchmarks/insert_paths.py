@@ -17,19 +17,10 @@ import time
 
 import torch
 
+from dynemb.kernels.dedup import dedup_torch
 from dynemb.table.index import KeyIndex
 
 WARMUP = 5
-
-
-def distinct_pairs(keys: torch.Tensor, seg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distinct (segment, key) pairs, sorted by segment, then key: upsert_unique's input."""
-    order = torch.sort(keys, stable=True).indices
-    order = order[torch.sort(seg[order], stable=True).indices]
-    keys, seg = keys[order], seg[order]
-    first = torch.ones_like(keys, dtype=torch.bool)
-    first[1:] = (keys[1:] != keys[:-1]) | (seg[1:] != seg[:-1])
-    return keys[first], seg[first]
 
 
 def main() -> None:
@@ -55,7 +46,8 @@ def main() -> None:
         old = seen[torch.randint(0, max(seen.numel(), 1), (a.keys - n_new,), generator=g)] if seen.numel() else seen
         fresh = torch.randint(-(2**62), 2**62, (a.keys - old.numel(),), generator=g)
         keys = torch.cat([old, fresh])
-        unique, useg = distinct_pairs(keys, torch.randint(0, a.segments, (keys.numel(),), generator=g))
+        # The distinct (segment, key) pairs, by segment, then key: upsert_unique's input.
+        unique, useg, _, _ = dedup_torch(keys, torch.randint(0, a.segments, (keys.numel(),), generator=g))
         kw = {"segments": useg} if a.segments > 1 else {}
         runs = [("compiled insert", fast), ("sorted path", slow)]
         for name, index in runs if call % 2 == 0 else runs[::-1]:

@@ -12,6 +12,7 @@ import torch
 from test_kernel_parity import SPECIAL, assert_same_index, assert_same_result, random_keys, same_bucket_keys, t
 
 from dynemb.kernels import uses_native
+from dynemb.kernels.dedup import dedup_torch
 from dynemb.table.index import KeyIndex
 from dynemb.table.placement import BatchPlacement
 
@@ -62,16 +63,6 @@ def drive(monkeypatch, make, batches, *, erase_every: int = 2, now0: int = 1):
     return counting
 
 
-def distinct_pairs(keys: torch.Tensor, seg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distinct (segment, key) pairs, sorted by segment, then key: upsert_unique's input."""
-    order = torch.sort(keys, stable=True).indices
-    order = order[torch.sort(seg[order], stable=True).indices]
-    keys, seg = keys[order], seg[order]
-    first = torch.ones_like(keys, dtype=torch.bool)
-    first[1:] = (keys[1:] != keys[:-1]) | (seg[1:] != seg[:-1])
-    return keys[first], seg[first]
-
-
 @pytest.mark.parametrize("segmented", [False, True])
 def test_upsert_unique_of_training_lookups(monkeypatch, segmented):
     # The training path: distinct keys (a collection's tables as segments), one clock value a
@@ -88,7 +79,7 @@ def test_upsert_unique_of_training_lookups(monkeypatch, segmented):
         n = 40 if step < 2 else 700  # small first calls: every key placed; then the segments fill
         keys = torch.randint(0, 3000, (n,), generator=g) * 11 - 5000
         seg = torch.randint(0, 3, (n,), generator=g) if segmented else torch.zeros(n, dtype=torch.int64)
-        unique, useg = distinct_pairs(keys, seg)
+        unique, useg, _, _ = dedup_torch(keys, seg)  # the distinct pairs, by segment, then key
         kw = {"segments": useg} if segmented else {}
         results = [index.upsert_unique(unique, torch.ones_like(unique), now=step + 1, **kw) for index in (fast, native_sorted, torch_index)]
         for other, index in zip(results[1:], (native_sorted, torch_index)):

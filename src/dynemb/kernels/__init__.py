@@ -124,6 +124,21 @@ def slot_step(table: torch.Tensor) -> int:
     return step
 
 
+def slot_args(table_keys: torch.Tensor, tags: torch.Tensor, table_scores: torch.Tensor) -> tuple:
+    """The arguments by which several kernels take the index's slots, in their order: the keys'
+    address and slot step, the tags', the scores', W, B, the scores' width and slot step."""
+    return (
+        ptr(table_keys),
+        slot_step(table_keys),
+        ptr(tags),
+        ptr(table_scores),
+        table_keys.shape[1],
+        table_keys.shape[0],
+        table_scores.element_size(),
+        slot_step(table_scores),
+    )
+
+
 def threads() -> int:
     """The thread count the kernels may use: torch's intra-op setting."""
     return torch.get_num_threads()

@@ -1,6 +1,7 @@
 // Shared by the kernels of this folder: dynemb's 64-bit mixer and bucket rule (the same bits as
 // dynemb/hashing.py), prefetch, and the OpenMP thread count a caller asks for.
 #pragma once
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -244,6 +245,34 @@ inline void radix_sort(std::vector<uint64_t>& key, std::vector<int64_t>& id) {
     id.swap(i2);
   }
   for (auto& k : key) k ^= 0x8000000000000000ULL;
+}
+
+// Stable LSD radix sort of n values ascending by their bits from ``first_shift`` up (of
+// ``v - base``), 11 bits a pass, only the passes the largest such field, ``span``, needs;
+// ``buffer`` as large. Placement sorts slots (base: the smallest) and entries by bucket.
+inline void radix_sort_bits(uint64_t* v, uint64_t* buffer, int64_t n, uint64_t base, int first_shift, uint64_t span) {
+  if (n < 2) return;
+  constexpr int BITS = 11;
+  constexpr int64_t DIGITS = int64_t(1) << BITS;
+  int64_t count[DIGITS + 1];
+  uint64_t* src = v;
+  uint64_t* dst = buffer;
+  for (int shift = first_shift; shift < 64 && (span >> (shift - first_shift)) > 0; shift += BITS) {
+    std::fill(count, count + DIGITS + 1, 0);
+    for (int64_t i = 0; i < n; ++i) ++count[(((src[i] - base) >> shift) & (DIGITS - 1)) + 1];
+    for (int64_t d = 0; d < DIGITS; ++d) count[d + 1] += count[d];
+    for (int64_t i = 0; i < n; ++i) dst[count[((src[i] - base) >> shift) & (DIGITS - 1)]++] = src[i];
+    std::swap(src, dst);
+  }
+  if (src != v) std::copy(src, src + n, v);
+}
+
+// Whether a key whose candidates b1, b2 have free slots f1, f2 tries b2 in a placement round
+// (docs/design/0006): the candidate with more free slots, ties by a bit of the buckets; the
+// other one in the last round (``other``).
+inline bool tries_second(int64_t f1, int64_t f2, int64_t b1, int64_t b2, bool other) {
+  const bool second = f2 > f1 || (f2 == f1 && ((b1 ^ b2) & 1) != 0);
+  return second != other;
 }
 
 // The placement rounds of docs/design/0006: halving rounds (at most HALVING_ROUNDS, while one

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from dynemb.kernels import library, ptr, slot_step, threads
+from dynemb.kernels import library, ptr, slot_args, threads
 
 
 def evict_for_native(
@@ -42,14 +42,7 @@ def evict_for_native(
     pos = torch.empty(n, dtype=torch.int64)
     taken, old_keys, old_scores = (torch.empty(n, dtype=torch.int64) for _ in range(3))
     e = library().dyn_evict_for(
-        ptr(table_keys),
-        slot_step(table_keys),
-        ptr(tags),
-        ptr(table_scores),
-        table_keys.shape[1],
-        table_keys.shape[0],
-        table_scores.element_size(),
-        slot_step(table_scores),
+        *slot_args(table_keys, tags, table_scores),
         ptr(keys),
         ptr(scores),
         ptr(seg),

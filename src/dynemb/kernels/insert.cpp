@@ -28,25 +28,6 @@ static constexpr int64_t SHORT_RUN = 32;
 static constexpr int ITEM_BITS = 32;
 static constexpr uint64_t ITEM_MASK = (uint64_t(1) << ITEM_BITS) - 1;
 
-// Stable LSD radix sort of ``v`` (bucket << ITEM_BITS | item) by the bucket, 11 bits a pass
-// over the bits ``total_buckets`` needs; ``buffer`` as large.
-static void sort_by_bucket(uint64_t* v, uint64_t* buffer, int64_t n, int64_t total_buckets) {
-  if (n < 2) return;
-  constexpr int BITS = 11;
-  constexpr int64_t DIGITS = int64_t(1) << BITS;
-  int64_t count[DIGITS + 1];
-  uint64_t* src = v;
-  uint64_t* dst = buffer;
-  for (int shift = ITEM_BITS; shift < 64 && ((total_buckets - 1) >> (shift - ITEM_BITS)) > 0; shift += BITS) {
-    std::fill(count, count + DIGITS + 1, 0);
-    for (int64_t i = 0; i < n; ++i) ++count[((src[i] >> shift) & (DIGITS - 1)) + 1];
-    for (int64_t d = 0; d < DIGITS; ++d) count[d + 1] += count[d];
-    for (int64_t i = 0; i < n; ++i) dst[count[(src[i] >> shift) & (DIGITS - 1)]++] = src[i];
-    std::swap(src, dst);
-  }
-  if (src != v) std::copy(src, src + n, v);
-}
-
 // Returns the number of places left without a slot (0: every new key placed), or -1 when the
 // scratch is too small or m too large. ``rounds`` gets the slots each round took (the free
 // list's allocations to commit, in turn).
@@ -173,10 +154,9 @@ extern "C" int64_t dyn_insert_new(
         const FreeSlots s2 = given ? unpack_free(seen, 1) : free_slots(tags, b2, W);
         uint64_t entry = NONE | static_cast<uint64_t>(t);
         if (s1.count || s2.count) {
-          const bool tie_second = ((b1 ^ b2) & 1) != 0;
-          const bool second = s2.count > s1.count || (s2.count == s1.count && tie_second);
-          const FreeSlots& s = second != other ? s2 : s1;
-          entry = static_cast<uint64_t>(second != other ? b2 : b1) << ITEM_BITS | static_cast<uint64_t>(t);
+          const bool take_second = tries_second(s1.count, s2.count, b1, b2, other);
+          const FreeSlots& s = take_second ? s2 : s1;
+          entry = static_cast<uint64_t>(take_second ? b2 : b1) << ITEM_BITS | static_cast<uint64_t>(t);
           info[t] = s.count | (s.first >= 0 ? s.first : 0) << 32;
         }
         sort_buffer[k] = entry;
@@ -203,7 +183,8 @@ extern "C" int64_t dyn_insert_new(
       // entry's key, place and free slots beside it.
       const int r = a;
       const int64_t elo = start[r], ehi = start[r + 1];
-      sort_by_bucket(order + elo, sort_buffer + elo, ehi - elo, total_buckets);
+      // By bucket: the bits above the item's (radix_sort_bits, stable).
+      radix_sort_bits(order + elo, sort_buffer + elo, ehi - elo, 0, ITEM_BITS, static_cast<uint64_t>(total_buckets - 1));
       for (int64_t e = elo; e < ehi; ++e) {
         if (e + AHEAD < ehi) {
           const int64_t ahead = static_cast<int64_t>(order[e + AHEAD] & ITEM_MASK);

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from dynemb.kernels import library, ptr, slot_step, threads
+from dynemb.kernels import library, ptr, slot_args, slot_step, threads
 from dynemb.kernels.place import MAX_ROUNDS
 
 
@@ -62,14 +62,7 @@ def insert_new_native(
     rounds = torch.zeros(MAX_ROUNDS, dtype=torch.int64)
     cap = 8 * m
     left = library().dyn_insert_new(
-        ptr(table_keys),
-        slot_step(table_keys),
-        ptr(tags),
-        ptr(table_scores),
-        table_keys.shape[1],
-        table_keys.shape[0],
-        table_scores.element_size(),
-        slot_step(table_scores),
+        *slot_args(table_keys, tags, table_scores),
         ptr(table_rows),
         table_rows.element_size(),
         slot_step(table_rows),

@@ -11,8 +11,7 @@ using namespace dynemb;
 
 static constexpr int MAX_ROUNDS = PLACEMENT_ROUNDS;
 
-// Sort n non-negative slots ascending (LSD radix, 11 bits a pass, only the passes their range
-// needs), ``buffer`` as large.
+// Sort n non-negative slots ascending (radix_sort_bits over their range), ``buffer`` as large.
 static void radix_sort_slots(int64_t* v, int64_t* buffer, int64_t n) {
   if (n < 2) return;
   int64_t lo = v[0], hi = v[0];
@@ -20,19 +19,7 @@ static void radix_sort_slots(int64_t* v, int64_t* buffer, int64_t n) {
     lo = v[i] < lo ? v[i] : lo;
     hi = v[i] > hi ? v[i] : hi;
   }
-  constexpr int BITS = 11;
-  constexpr int64_t DIGITS = int64_t(1) << BITS;
-  int64_t count[DIGITS + 1];
-  int64_t* src = v;
-  int64_t* dst = buffer;
-  for (int shift = 0; shift < 63 && ((hi - lo) >> shift) > 0; shift += BITS) {
-    std::fill(count, count + DIGITS + 1, 0);
-    for (int64_t i = 0; i < n; ++i) ++count[(((src[i] - lo) >> shift) & (DIGITS - 1)) + 1];
-    for (int64_t d = 0; d < DIGITS; ++d) count[d + 1] += count[d];
-    for (int64_t i = 0; i < n; ++i) dst[count[((src[i] - lo) >> shift) & (DIGITS - 1)]++] = src[i];
-    std::swap(src, dst);
-  }
-  if (src != v) std::copy(src, src + n, v);
+  radix_sort_bits(reinterpret_cast<uint64_t*>(v), reinterpret_cast<uint64_t*>(buffer), n, static_cast<uint64_t>(lo), 0, static_cast<uint64_t>(hi - lo));
 }
 
 // The lines a key's placement writes: its bucket's tags, keys and scores; when the slots are
@@ -140,9 +127,7 @@ extern "C" int64_t dyn_place_free(
           chosen[i] = -1;
           continue;
         }
-        const bool tie_second = ((b1[i] ^ b2[i]) & 1) != 0;
-        const bool second = f2 > f1 || (f2 == f1 && tie_second);
-        const bool take_second = second != other;
+        const bool take_second = tries_second(f1, f2, b1[i], b2[i], other);
         chosen[i] = take_second ? b2[i] : b1[i];
         nfree[i] = take_second ? f2 : f1;
         // Packed slots: the slot the key most likely takes, its bucket's first free one (the

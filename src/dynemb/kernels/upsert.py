@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from dynemb.kernels import library, ptr, slot_step, threads
+from dynemb.kernels import library, ptr, slot_args, slot_step, threads
 
 # As common.h: the widest bucket whose free slots pack_free can hold.
 PACKED_FREE_MAX_W = 65534
@@ -62,14 +62,7 @@ def found_and_missing_native(
     if free_info and not lfu_add and table_keys.shape[1] <= PACKED_FREE_MAX_W:
         info = torch.empty(n, dtype=torch.int64) if workspace is None else workspace.get("free_info", n, (), torch.int64)
     m = library().dyn_upsert_found(
-        ptr(table_keys),
-        slot_step(table_keys),
-        ptr(tags),
-        ptr(table_scores),
-        table_keys.shape[1],
-        table_keys.shape[0],
-        table_scores.element_size(),
-        slot_step(table_scores),
+        *slot_args(table_keys, tags, table_scores),
         ptr(table_rows),
         0 if table_rows is None else table_rows.element_size(),
         1 if table_rows is None else slot_step(table_rows),

@@ -32,29 +32,14 @@ class Growth:
         """Whether :meth:`_grow_before` would grow the index for these new keys (nothing changes)."""
         if not self._can_grow():
             return False
-        W, limit = self.bucket_capacity, self.max_load_factor
         if new_seg is None:
-            return self._size + missing > limit * self.current_capacity()
-        sizes = self._segment_size.tolist()
-        adding = torch.bincount(new_seg, minlength=self.num_segments).tolist()
-        return any(
-            buckets < most and size + add > limit * (buckets * W)
-            for size, add, buckets, most in zip(sizes, adding, self._segments.buckets, self._segment_max_buckets)
-        )
+            return self._size + missing > self.max_load_factor * self.current_capacity()
+        return any(self._doublings_before(new_seg))
 
-    def _grow_before(self, missing: int, new_seg: torch.Tensor | None) -> bool:
-        """Double every segment that placing its new keys would take past ``max_load_factor``
-        (``missing``: M new keys; ``new_seg``: [M] their segments, None with one segment).
-        Returns whether the index grew."""
-        if not self._can_grow():
-            return False
+    def _doublings_before(self, new_seg: torch.Tensor) -> list[int]:
+        """How many times each segment must double so that placing its new keys (``new_seg``:
+        [M] their segments) keeps it under ``max_load_factor``, within its maximum buckets."""
         W, limit = self.bucket_capacity, self.max_load_factor
-        if new_seg is None:
-            grown = False
-            while self._can_grow() and self._size + missing > limit * self.current_capacity():
-                self._grow_segments([1])
-                grown = True
-            return grown
         sizes = self._segment_size.tolist()
         adding = torch.bincount(new_seg, minlength=self.num_segments).tolist()
         doublings = []
@@ -63,6 +48,21 @@ class Growth:
             while (buckets << d) < most and size + add > limit * ((buckets << d) * W):
                 d += 1
             doublings.append(d)
+        return doublings
+
+    def _grow_before(self, missing: int, new_seg: torch.Tensor | None) -> bool:
+        """Double every segment that placing its new keys would take past ``max_load_factor``
+        (``missing``: M new keys; ``new_seg``: [M] their segments, None with one segment).
+        Returns whether the index grew."""
+        if not self._can_grow():
+            return False
+        if new_seg is None:
+            grown = False
+            while self._would_grow(missing, None):
+                self._grow_segments([1])
+                grown = True
+            return grown
+        doublings = self._doublings_before(new_seg)
         if not any(doublings):
             return False
         self._grow_segments(doublings)
