@@ -89,10 +89,13 @@ inline void prefetch_span(const void* first, const void* last) {
 }
 
 // A key put into slot p: its key, tag and score (the row id is the caller's).
-inline void write_slot(const KeyCol& table_keys, uint8_t* tags, const IntCol& scores, int64_t p, int64_t key, int64_t score) {
+inline void write_slot(const KeyCol& table_keys, uint8_t* tags, const IntCol& scores, int64_t p, int64_t key, int64_t score, uint8_t tag) {
   table_keys[p] = key;
-  tags[p] = key_tag(key);
+  tags[p] = tag;
   scores.set(p, score);
+}
+inline void write_slot(const KeyCol& table_keys, uint8_t* tags, const IntCol& scores, int64_t p, int64_t key, int64_t score) {
+  write_slot(table_keys, tags, scores, p, key, score, key_tag(key));
 }
 
 // Set bits of a 64-bit word, inline (the kernels are built for any x86-64 CPU: without -mpopcnt,

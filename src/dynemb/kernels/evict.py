@@ -22,6 +22,7 @@ def evict_for_native(
     seg: torch.Tensor | None,
     locked: torch.Tensor,
     lfu: bool,
+    workspace,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Evict for P keys (in priority order); the table's keys and scores are written in place.
 
@@ -32,6 +33,7 @@ def evict_for_native(
         keys, scores (Tensor[int64]): [P]; seg (Tensor[int64] | None): [P] their segments.
         locked (Tensor[int64]): [L] slots of the batch's keys, never victims.
         lfu: no score comparison (a new key evicts whatever the lowest score).
+        workspace: a :class:`dynemb.workspace.Workspace` for the kernel's scratch.
     Returns:
         pos [P] (slot taken, -1 where the key failed), and the E slots taken with the keys and
         scores they held ([E] each), round by round, each round in priority order.
@@ -41,7 +43,11 @@ def evict_for_native(
     n = keys.numel()
     pos = torch.empty(n, dtype=torch.int64)
     taken, old_keys, old_scores = (torch.empty(n, dtype=torch.int64) for _ in range(3))
-    e = library().dyn_evict_for(
+    lib = library()
+    W = table_keys.shape[1]
+    scratch_bytes = lib.dyn_evict_scratch_bytes(n, W, tags.shape[0])
+    scratch = workspace.get("evict_for", (scratch_bytes + 7) // 8, (), torch.int64)
+    e = lib.dyn_evict_for(
         *slot_args(table_keys, tags, table_scores),
         ptr(keys),
         ptr(scores),
@@ -56,6 +62,10 @@ def evict_for_native(
         ptr(taken),
         ptr(old_keys),
         ptr(old_scores),
+        ptr(scratch),
+        scratch_bytes,
         threads(),
     )
+    if e < 0:
+        raise RuntimeError(f"evict_for_native: scratch of {scratch.numel() * 8} bytes, {scratch_bytes} needed")
     return pos, taken[:e], old_keys[:e], old_scores[:e]

@@ -634,7 +634,7 @@ class BatchPlacement:
         """
         if self.native:
             pos, taken, old_keys, old_scores = evict_for_native(
-                self._keys, self._tags, self._scores, self._segments, keys, scores, seg, locked_pos, self.strategy is ScoreStrategy.LFU
+                self._keys, self._tags, self._scores, self._segments, keys, scores, seg, locked_pos, self.strategy is ScoreStrategy.LFU, self._workspace
             )
             self._count("evictions", taken)
             self._count("inserts", taken)
