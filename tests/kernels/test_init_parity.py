@@ -38,12 +38,12 @@ def test_rows_bitwise_like_the_initializer(D, optimizer, contiguous):
 @pytest.mark.parametrize("D", [128, 129, 130])
 @pytest.mark.parametrize("offset", [0, 1])
 def test_many_rows_streamed_past_the_caches_bitwise_like_the_initializer(D, offset):
-    """Enough rows (over 1 MiB) for the kernel's non-temporal stores: rows of 16-byte multiples
+    """Enough rows (over 4 MiB) for the kernel's non-temporal stores: rows of 16-byte multiples
     and rows whose starts fall anywhere, on a table whose first float is not 16-byte aligned."""
     optimizer = dynemb.optim.RowWiseAdagrad(initial_accumulator_value=0.25) if D != 128 else None
     width = D + (0 if optimizer is None else optimizer.state_dim(D))
     init = RowInitializer(dynemb.Initializer(), D, 5, torch.float32, torch.device("cpu"))
-    R, n = 6000, 3000
+    R, n = 20000, 10000
     keys = torch.randint(-(2**62), 2**62, (n,), generator=torch.Generator().manual_seed(D))
     rows = torch.randperm(R, generator=torch.Generator().manual_seed(offset))[:n]
     ours = torch.full((R * width + offset,), float("nan"))[offset:].view(R, width)

@@ -15,8 +15,9 @@
 
 using namespace dynemb;
 
-// Rows written at least this many bytes in all are streamed; a row at most this wide (floats).
-static constexpr int64_t STREAM_BYTES = int64_t(1) << 20;
+// Rows written at least this many bytes in all (more than both cores' L2 caches hold, so they
+// would leave them before being read) are streamed; a row at most this wide (floats).
+static constexpr int64_t STREAM_BYTES = int64_t(4) << 20;
 static constexpr int64_t MAX_STREAM_WIDTH = 1024;
 
 #ifdef __SSE2__
