@@ -98,3 +98,38 @@ def test_extreme_scores_evict_alike():
     keys = random_keys(200, 12)
     scores = torch.tensor([INT64_MAX, 0, -(2**63)] * 66 + [5, 39])
     evict_both(pair, keys, scores, torch.empty(0, dtype=torch.int64))
+
+
+def test_empty_candidate_slots_are_never_victims():
+    # Slots emptied under both indexes (tag 0): the keys pass over them, as the twin's mask does.
+    pair = full_pair(9, capacity=512, bucket_capacity=8, score_strategy="customized")
+    emptied = torch.randperm(512, generator=torch.Generator().manual_seed(4))[:60]
+    for index in pair:
+        index._tags.view(-1)[emptied] = 0
+    pos, *_ = evict_both(pair, random_keys(400, 13), torch.full((400,), 50), torch.empty(0, dtype=torch.int64))
+    assert not bool(torch.isin(pos, emptied).any())
+
+
+def test_widened_scores_evict_alike():
+    # int64 scores (one key per slot, unpacked): keys and victims scored past int32.
+    pair = full_pair(10, capacity=512, bucket_capacity=8, score_strategy="customized")
+    g = torch.Generator().manual_seed(5)
+    for index in pair:
+        index._widen_scores()
+    assert pair[1]._scores.dtype == torch.int64
+    # Residents scored past int32 too (they evicted their way in on both backends alike).
+    big = torch.randint(2**33, 2**34, (200,), generator=g)
+    for index in pair:
+        index.find_or_insert(random_keys(200, 16), scores=big)
+    assert_same_index(*pair)
+    scores = torch.randint(2**33 - 2**20, 2**34, (300,), generator=g)
+    scores[::3] = 2**40 + 7
+    evict_both(pair, random_keys(300, 14), scores, torch.arange(0, 512, 9))
+
+
+def test_many_keys_on_both_threads_evict_alike():
+    # 6,000 keys over 4,096 buckets: the kernel's parallel candidate pass and bucket sort.
+    pair = full_pair(11, capacity=1 << 15, bucket_capacity=8)
+    g = torch.Generator().manual_seed(6)
+    pos, *_ = evict_both(pair, random_keys(6000, 15), torch.randint(0, 45, (6000,), generator=g), torch.randperm(1 << 15, generator=g)[:3000])
+    assert 0 < int((pos >= 0).sum()) < 6000

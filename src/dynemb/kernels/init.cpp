@@ -58,26 +58,31 @@ extern "C" int64_t dyn_init_rows(
   // 3.4-3.7 against 4.8-5.1 ms for 23,000 rows of 128 floats at scattered row ids (3.5 against
   // 4.9 for rows of 129), read back after as fast (docs/perf-log.md, 2026-11-27 ninth session).
   const bool stream = CAN_STREAM && n * width * 4 >= STREAM_BYTES && width <= MAX_STREAM_WIDTH;
-#pragma omp parallel for schedule(static) num_threads(threads(nthreads, n, 512))
-  for (int64_t i = 0; i < n; ++i) {
-    alignas(16) float buffer[MAX_STREAM_WIDTH];
-    float* const dest = table + rows[i] * width;
-    float* row = stream ? buffer : dest;
-    const uint64_t base = mix64(static_cast<uint64_t>(keys[i] ^ salt));
-    for (int64_t c = 0; c < H; ++c) {
-      const uint64_t bits = base * static_cast<uint64_t>(cols[c]);
-      float u1 = static_cast<float>(static_cast<int64_t>(bits)) * 5.421010862427522e-20f + 0.5f;  // * 2^-64
-      float u2 = static_cast<float>(static_cast<int64_t>(bits << 24)) * 5.421010862427522e-20f + 0.5f;
-      u1 = std::min(std::max(u1, tiny), top);
-      u2 = std::min(std::max(u2, 0.0f), top);
-      row[c] = u1 * scale + low;
-      if (H + c < D) row[H + c] = u2 * scale + low;
+#pragma omp parallel num_threads(threads(nthreads, n, 512))
+  {
+#pragma omp for schedule(static) nowait
+    for (int64_t i = 0; i < n; ++i) {
+      alignas(16) float buffer[MAX_STREAM_WIDTH];
+      float* const dest = table + rows[i] * width;
+      float* row = stream ? buffer : dest;
+      const uint64_t base = mix64(static_cast<uint64_t>(keys[i] ^ salt));
+      for (int64_t c = 0; c < H; ++c) {
+        const uint64_t bits = base * static_cast<uint64_t>(cols[c]);
+        float u1 = static_cast<float>(static_cast<int64_t>(bits)) * 5.421010862427522e-20f + 0.5f;  // * 2^-64
+        float u2 = static_cast<float>(static_cast<int64_t>(bits << 24)) * 5.421010862427522e-20f + 0.5f;
+        u1 = std::min(std::max(u1, tiny), top);
+        u2 = std::min(std::max(u2, 0.0f), top);
+        row[c] = u1 * scale + low;
+        if (H + c < D) row[H + c] = u2 * scale + low;
+      }
+      for (int64_t j = D; j < width; ++j) row[j] = state_value;
+      if (stream) stream_row(dest, buffer, width);
     }
-    for (int64_t j = D; j < width; ++j) row[j] = state_value;
-    if (stream) stream_row(dest, buffer, width);
-  }
 #ifdef __SSE2__
-  if (stream) _mm_sfence();
+    // Each thread orders its own non-temporal stores before the region ends (not relying on
+    // whatever instruction the runtime's barrier uses).
+    if (stream) _mm_sfence();
 #endif
+  }
   return 0;
 }
