@@ -2,7 +2,8 @@
 // in place, by row id, with the gradient summed per key; rows whose gradient or update is not
 // finite are left unchanged and flagged (nonfinite_grads="skip"). U rows, D embedding columns,
 // S state columns, width = D + S. The arithmetic follows dynemb/optim/optimizers.py op by op
-// in float32 (the row-wise mean is a plain sum, so it may differ from torch's in the last bits).
+// in float32 (the row-wise mean's sum runs in a fixed order of its own, sum_of_squares, so it
+// may differ from torch's in the last bits).
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -25,6 +26,22 @@ static inline bool all_finite(const float* x, int64_t n) {
     bad |= static_cast<uint32_t>((bits & 0x7F800000u) == 0x7F800000u);
   }
   return bad == 0;
+}
+
+// The sum of x[j]^2 over n floats in one fixed order on every CPU: LANES running sums (lane k
+// takes j = k, k + LANES, ... while a whole group of LANES remains), combined pairwise, then
+// the tail in turn. The lanes vectorise (SSE2 or AVX2 alike: the same adds in the same order)
+// where one running sum is a chain of dependent adds: row-wise Adagrad on W3's rows took
+// 12% of a step on that chain (docs/perf-log.md, 2026-11-27 ninth session).
+static constexpr int64_t LANES = 8;
+static inline float sum_of_squares(const float* x, int64_t n) {
+  float lane[LANES] = {};
+  int64_t j = 0;
+  for (; j + LANES <= n; j += LANES)
+    for (int64_t k = 0; k < LANES; ++k) lane[k] += x[j + k] * x[j + k];
+  float sum = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+  for (; j < n; ++j) sum += x[j] * x[j];
+  return sum;
 }
 
 extern "C" DYN_FLOAT_KERNEL int64_t dyn_rows_update(
@@ -68,9 +85,7 @@ extern "C" DYN_FLOAT_KERNEL int64_t dyn_rows_update(
           break;
         }
         case ROWWISE_ADAGRAD: {
-          float sum = 0.0f;
-          for (int64_t j = 0; j < D; ++j) sum += g[j] * g[j];
-          const float s = row[D] + sum / static_cast<float>(D);
+          const float s = row[D] + sum_of_squares(g.data(), D) / static_cast<float>(D);
           out[D] = s;
           const float denom = std::sqrt(s) + eps;
           for (int64_t j = 0; j < D; ++j) out[j] = row[j] + (-lr) * (g[j] / denom);
