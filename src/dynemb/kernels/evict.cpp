@@ -21,11 +21,12 @@
 
 using namespace dynemb;
 
-// Buckets whose lines are requested ahead of the one ordered.
+// Buckets (in the sort) and keys (in the pass) whose lines are requested ahead of the one at hand.
 static constexpr int64_t AHEAD = 8;
 
 // The call's scratch, carved from the caller's reused buffer (fresh pages would fault in on
-// every call). nb <= min(2P, B) local buckets; the map has a power of two >= 4P entries.
+// every call). nb <= min(2P, B) local buckets; the hash map, where B is large beside P, has a
+// power of two >= 4P entries.
 struct EvictScratch {
   bool direct;
   int64_t map_size, nb_max;
