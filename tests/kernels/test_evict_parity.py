@@ -36,7 +36,8 @@ def full_pair(seed: int, **options) -> list[KeyIndex]:
     return pair
 
 
-def evict_both(pair, keys, scores, locked, seg=None) -> None:
+def evict_both(pair, keys, scores, locked, seg=None) -> tuple:
+    """``_evict_for`` on both indexes: every output and the whole index alike; the native one's outputs."""
     results = [index._evict_for(keys, scores, locked, seg) for index in pair]
     for x, y in zip(*results):
         assert x.dtype == y.dtype and torch.equal(x, y), (x, y)
@@ -47,8 +48,8 @@ def evict_both(pair, keys, scores, locked, seg=None) -> None:
 @pytest.mark.parametrize("strategy", ["timestamp", "customized", "lfu"])
 @pytest.mark.parametrize("n", [3, 300, 2000])
 def test_contending_keys_evict_alike(strategy, n):
-    # 64 buckets of 8: n = 300 or 2000 keys contend over many rounds (n = 3 on the large table
-    # below takes the kernel's hash map of buckets).
+    # 64 buckets of 8: n = 300 or 2000 keys contend over many rounds (n = 3 takes the kernel's
+    # hash map of buckets: 64 buckets is more than 16 n).
     pair = full_pair(n, capacity=512, bucket_capacity=8, score_strategy=strategy)
     g = torch.Generator().manual_seed(n)
     keys = random_keys(n, 77 + n)

@@ -44,8 +44,8 @@ def evict_for_native(
     pos = torch.empty(n, dtype=torch.int64)
     taken, old_keys, old_scores = (torch.empty(n, dtype=torch.int64) for _ in range(3))
     lib = library()
-    W = table_keys.shape[1]
-    scratch_bytes = lib.dyn_evict_scratch_bytes(n, W, tags.shape[0])
+    B, W = table_keys.shape
+    scratch_bytes = lib.dyn_evict_scratch_bytes(n, W, B)
     scratch = workspace.get("evict_for", (scratch_bytes + 7) // 8, (), torch.int64)
     e = lib.dyn_evict_for(
         *slot_args(table_keys, tags, table_scores),
