@@ -17,16 +17,20 @@ KEYS = [0, -1, 2**63 - 1, -(2**63), 1, 12345, -987654321, 2**40 + 3]
 
 @pytest.mark.parametrize("D", [1, 2, 7, 64, 129])
 @pytest.mark.parametrize("optimizer", [None, dynemb.optim.RowWiseAdagrad(initial_accumulator_value=0.5), dynemb.optim.Adam()])
-@pytest.mark.parametrize("contiguous", [False, True])
-def test_rows_bitwise_like_the_initializer(D, optimizer, contiguous):
-    """Rows scattered over the table, or a shuffled contiguous range (the launcher orders those
-    by one scatter instead of a sort)."""
+@pytest.mark.parametrize("layout", ["scattered", "shuffled range", "ascending"])
+def test_rows_bitwise_like_the_initializer(D, optimizer, layout):
+    """Rows scattered over the table (the kernel sorts them), a shuffled contiguous range (put in
+    order by one pass), or already ascending (taken as they come)."""
     config = dynemb.Initializer(low=-0.3, high=0.7) if D == 7 else dynemb.Initializer()
     init = RowInitializer(config, D, 11, torch.float32, torch.device("cpu"))
     keys = torch.tensor(KEYS + list(range(100, 400, 7)), dtype=torch.int64)
     width = D + (0 if optimizer is None else optimizer.state_dim(D))
     perm = torch.randperm(500, generator=torch.Generator().manual_seed(D))
-    rows = perm[: keys.numel()] if not contiguous else 37 + perm[perm < keys.numel()]
+    rows = {
+        "scattered": perm[: keys.numel()],
+        "shuffled range": 37 + perm[perm < keys.numel()],
+        "ascending": perm[: keys.numel()].sort().values,
+    }[layout]
     ours = torch.full((500, width), float("nan"))
     theirs = ours.clone()
     state = 0.0 if optimizer is None else optimizer.initial_state_value()

@@ -30,7 +30,7 @@ SIGNATURES = {
     "dyn_rows_put": "piippii",
     "dyn_rows_of_new": "piippipppi",
     "dyn_rows_update": "pippiiiiddddddpi",
-    "dyn_init_rows": "pippiiipdddi",
+    "dyn_init_rows": "pippiiipdddpi",
     "dyn_candidates": "ppppiippi",
     "dyn_make_room": "pippiipiiiipppppiiippppipip",
     "dyn_follow": "ppipppi",

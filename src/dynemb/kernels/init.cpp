@@ -40,16 +40,52 @@ static constexpr bool CAN_STREAM = false;
 static inline void stream_row(float*, const float*, int64_t) {}
 #endif
 
+// The rows' places in ascending row order, in ``order`` [n] (``buffer`` [n] scratch): a row's
+// values depend on its key only, and writing in address order took 7.1 against 11.0 ms for 18k
+// fresh rows of 128 floats (2.8 against 6.6 ms for rows written before). Returns false (order
+// unset) when the rows already ascend. New rows are usually one contiguous range (a table that
+// has not evicted takes them from its high-water mark): then each goes straight to its place;
+// else an LSD radix sort of (row - lowest) << 32 | place (rows spanning under 2^32, n < 2^32),
+// or a comparison sort.
+static bool row_order(const int64_t* rows, int64_t n, uint64_t* order, uint64_t* buffer) {
+  int64_t lo = rows[0], hi = rows[0];
+  bool ascending = true;
+  for (int64_t i = 1; i < n; ++i) {
+    ascending = ascending && rows[i] > rows[i - 1];
+    lo = rows[i] < lo ? rows[i] : lo;
+    hi = rows[i] > hi ? rows[i] : hi;
+  }
+  if (ascending) return false;
+  const uint64_t span = static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo);
+  if (span == static_cast<uint64_t>(n - 1)) {
+    for (int64_t i = 0; i < n; ++i) order[rows[i] - lo] = static_cast<uint64_t>(i);
+    return true;
+  }
+  if ((span >> 32) == 0 && (static_cast<uint64_t>(n) >> 32) == 0) {
+    for (int64_t i = 0; i < n; ++i) order[i] = (static_cast<uint64_t>(rows[i] - lo) << 32) | static_cast<uint64_t>(i);
+    radix_sort_bits(order, buffer, n, 0, 32, span);
+    for (int64_t i = 0; i < n; ++i) order[i] &= 0xFFFFFFFFu;
+    return true;
+  }
+  for (int64_t i = 0; i < n; ++i) order[i] = static_cast<uint64_t>(i);
+  std::sort(order, order + n, [rows](uint64_t a, uint64_t b) { return rows[a] < rows[b]; });
+  return true;
+}
+
 extern "C" int64_t dyn_init_rows(
     float* table,         // [R, width] the store's rows
     int64_t width,
-    const int64_t* rows,  // [n] distinct row ids
+    const int64_t* rows,  // [n] distinct row ids, any order
     const int64_t* keys,  // [n]
     int64_t n, int64_t D,
     int64_t salt,
     const int64_t* cols,  // [H] the odd per-column multipliers of init_bits
     double low_, double scale_, double state_value_,
+    int64_t* scratch,     // [2n] the caller's buffer, for the rows' order
     int64_t nthreads) {
+  if (n <= 0) return 0;
+  uint64_t* order = reinterpret_cast<uint64_t*>(scratch);
+  const bool ordered = row_order(rows, n, order, order + n);
   const int64_t H = (D + 1) / 2;
   const float low = static_cast<float>(low_), scale = static_cast<float>(scale_), state_value = static_cast<float>(state_value_);
   const float tiny = 5.9604644775390625e-08f;  // 2^-24, as _TINY
@@ -61,7 +97,8 @@ extern "C" int64_t dyn_init_rows(
 #pragma omp parallel num_threads(threads(nthreads, n, 512))
   {
 #pragma omp for schedule(static) nowait
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t at = 0; at < n; ++at) {
+      const int64_t i = ordered ? static_cast<int64_t>(order[at]) : at;
       alignas(16) float buffer[MAX_STREAM_WIDTH];
       float* const dest = table + rows[i] * width;
       float* row = stream ? buffer : dest;

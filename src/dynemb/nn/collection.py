@@ -406,7 +406,7 @@ class DynamicEmbeddingBagCollection(_DynamicCollection):
         # store, so the lookups skip gathering their unique rows (docs/design/0042).
         if self._units is None or not self._compiled_cpu():
             return False
-        batch.one_id_per_bag = one_id_per_bag(batch.stacked, sum(v.numel() for v in batch.values), self.is_weighted)
+        batch.one_id_per_bag = one_id_per_bag(batch.stacked, sum(v.numel() for v in batch.values), self.is_weighted, batch.uniform_length)
         return batch.one_id_per_bag
 
     def _pool_units(self, batch: Batch, looked: list):

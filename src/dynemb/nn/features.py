@@ -18,6 +18,8 @@ class Batch:
         self.stacked = stacked  # lengths [F, B]
         # Whether every bag holds one id, unweighted (a host sync), once asked for.
         self.one_id_per_bag: bool | None = None
+        # The length every bag has, where all have the same (read with the lengths' check), else None.
+        self.uniform_length: int | None = None
 
 
 def parse_features(features, feature_names: list[str], device: torch.device, *, pooled: bool, weighted: bool) -> Batch:
@@ -41,9 +43,12 @@ def parse_features(features, feature_names: list[str], device: torch.device, *, 
         if not isinstance(lengths, torch.Tensor) or lengths.dim() != 1 or (names and lengths.numel() % len(names)):
             raise ValueError(f"KeyedJaggedTensor: lengths of shape {tuple(lengths.shape)} do not split into {len(names)} features")
         per_feature = lengths.view(len(names), -1) if names else lengths.view(0, 0)
-        totals = per_feature.sum(1).tolist()
-        # Already the [F, B] lengths and their sums when the features come in the collection's order.
-        kjt = (per_feature, totals)
+        # One pass for the lengths' range: where every bag has the same length (single-hot
+        # features) the sums need no second pass; a negative length is caught below.
+        lo, hi = _length_range(per_feature)
+        totals = [lo * per_feature.shape[1]] * len(names) if lo == hi else per_feature.sum(1).tolist()
+        # Already the [F, B] lengths, their sums and range when the features come in the collection's order.
+        kjt = (per_feature, totals, (lo, hi))
         if sum(totals) != values.numel():
             raise ValueError(f"KeyedJaggedTensor: lengths sum to {sum(totals)} but values has {values.numel()} entries")
         vs = torch.split(values, totals)
@@ -87,21 +92,35 @@ def parse_features(features, feature_names: list[str], device: torch.device, *, 
     if batch:
         # Every feature's lengths at once (one reduction each instead of one per feature).
         if kjt is not None and names == list(feature_names) and kjt[0].dtype == torch.int64:
-            stacked, sums = kjt  # [F, B], the rows of out_l; the values were split by these sums
+            stacked, sums, (lo, hi) = kjt  # [F, B], the rows of out_l; the values were split by these sums
         else:
             stacked, sums = torch.stack(out_l), None
-        if bool((stacked < 0).any()):
+            lo, hi = _length_range(stacked)
+        if lo < 0:
             negative = (stacked < 0).any(1)
             raise ValueError(f"feature {feature_names[int(negative.nonzero()[0])]!r}: lengths must be >= 0")
-        for f, total, v in zip(feature_names, stacked.sum(1).tolist() if sums is None else sums, out_v):
+        if sums is None:
+            sums = [lo * batch] * len(feature_names) if lo == hi else stacked.sum(1).tolist()
+        for f, total, v in zip(feature_names, sums, out_v):
             if total != v.numel():
                 raise ValueError(f"feature {f!r}: lengths sum to {total} but values has {v.numel()} entries")
+        uniform = lo if lo == hi else None
     else:
-        stacked = torch.zeros(len(feature_names), 0, dtype=torch.int64, device=device)
+        stacked, uniform = torch.zeros(len(feature_names), 0, dtype=torch.int64, device=device), None
         for f, v in zip(feature_names, out_v):
             if v.numel():
                 raise ValueError(f"feature {f!r}: lengths sum to 0 but values has {v.numel()} entries")
-    return Batch(out_v, out_l, out_w, batch or 0, stacked)
+    parsed = Batch(out_v, out_l, out_w, batch or 0, stacked)
+    parsed.uniform_length = uniform
+    return parsed
+
+
+def _length_range(lengths: torch.Tensor) -> tuple[int, int]:
+    """(min, max) of int lengths [F, B] in one pass and one host sync; (0, 0) when empty."""
+    if lengths.numel() == 0:
+        return 0, 0
+    lo, hi = torch.aminmax(lengths)
+    return tuple(torch.stack((lo, hi)).tolist())
 
 
 def _describe(value) -> str:

@@ -90,10 +90,13 @@ class _GroupGrad:
         self.first_row, self.scale = first_row, scale
 
 
-def one_id_per_bag(stacked: torch.Tensor, n_ids: int, weighted: bool) -> bool:
+def one_id_per_bag(stacked: torch.Tensor, n_ids: int, weighted: bool, uniform_length: int | None = None) -> bool:
     """Whether every bag holds exactly one id, unweighted (lengths ``stacked`` [F, B], ``n_ids``
-    ids in all): :func:`pool`'s copy path (one host sync)."""
-    return not weighted and n_ids == stacked.numel() and bool((stacked == 1).all())
+    ids in all): :func:`pool`'s copy path (one host sync, none when ``uniform_length``, the
+    length every bag has, is known)."""
+    if weighted or n_ids != stacked.numel():
+        return False
+    return uniform_length == 1 if uniform_length is not None else bool((stacked == 1).all())
 
 
 def pool(
