@@ -387,7 +387,9 @@ class BatchPlacement:
 
         for _ in range(8):
             if one_round(halve=True, other=False) == 0:
-                break
+                # A halving round places a key of every bucket a waiting key tries: none placed,
+                # no waiting key has a free slot, and the filling rounds would place none.
+                return placed, pos
         one_round(halve=False, other=False)
         one_round(halve=False, other=True)
         return placed, pos
