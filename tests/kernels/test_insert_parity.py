@@ -30,7 +30,7 @@ class Counting:
             left = original(index, *args)
             if left is None:
                 self.refused += 1
-            elif left:
+            elif left.numel():
                 self.left_some += 1
             else:
                 self.placed_all += 1

@@ -58,6 +58,8 @@ extern "C" int64_t dyn_insert_new(
     int64_t* rounds,             // [MAX_ROUNDS] out: slots taken in each round (0 after the last)
     int64_t* seg_placed,         // [S] or null (with seg, whose keys must not repeat): each
                                  // segment's placed keys are added
+    int64_t* left_out,           // [m] out or null: the places left without a slot, in
+                                 // ``missing``'s order (the first n of them, n returned)
     int64_t* scratch,            // [8m] the caller's reused buffer
     int64_t cap,                 // its size
     int64_t nthreads) {
@@ -278,5 +280,10 @@ extern "C" int64_t dyn_insert_new(
   if (seg && seg_placed)
     for (int64_t t = 0; t < m; ++t)
       if (pos[missing[t]] >= 0) ++seg_placed[seg[missing[t]]];
+  // The items the last round left (``todo``, after the first round too), in missing's order.
+  if (left_out && n_todo) {
+    std::sort(todo, todo + n_todo);
+    for (int64_t k = 0; k < n_todo; ++k) left_out[k] = missing[todo[k]];
+  }
   return n_todo;
 }

@@ -35,10 +35,11 @@ def insert_new_native(
     rows: torch.Tensor,
     workspace,
     per_segment: torch.Tensor | None = None,
-) -> tuple[int, list[int]] | None:
-    """Place the missing keys of one segment's index, in place; returns the places left without a
-    slot (0: every new key placed) and the slots each round took (the free list's allocations to
-    commit, in turn), or None where the kernel cannot take the call (nothing was written).
+) -> tuple[int, list[int], torch.Tensor] | None:
+    """Place the missing keys of one segment's index, in place; returns the number of places left
+    without a slot (0: every new key placed), the slots each round took (the free list's
+    allocations to commit, in turn) and those places ([left], in ``missing``'s order, a view of
+    ``workspace``), or None where the kernel cannot take the call (nothing was written).
 
     Args:
         table_keys (Tensor[int64]), tags (Tensor[uint8]), table_scores (Tensor[int32|int64]),
@@ -60,6 +61,7 @@ def insert_new_native(
     seg = None if seg is None else seg.contiguous()
     m = missing.numel()
     rounds = torch.zeros(MAX_ROUNDS, dtype=torch.int64)
+    left_places = workspace.get("insert_new.left", m, (), torch.int64)
     cap = 8 * m
     left = library().dyn_insert_new(
         *slot_args(table_keys, tags, table_scores),
@@ -81,8 +83,9 @@ def insert_new_native(
         ptr(rows),
         ptr(rounds),
         ptr(per_segment),
+        ptr(left_places),
         ptr(workspace.get("insert_new", cap, (), torch.int64)),
         cap,
         threads(),
     )
-    return None if left < 0 else (left, [r for r in rounds.tolist() if r])
+    return None if left < 0 else (left, [r for r in rounds.tolist() if r], left_places[: max(left, 0)])

@@ -87,16 +87,17 @@ class BatchPlacement:
         # new key's rank, widen() builds them (see _place_rest).
         widen = None
         if uniform and self.native and missing.numel() and (distinct or seg is None) and self._places_without_growth(missing.numel(), _pick(seg, missing)):
-            left = self._insert_new_native(unique, seg, missing, batch_scores, pos, found_rows, pre_free)
-            if left == 0:
+            got = self._insert_new_native(unique, seg, missing, batch_scores, pos, found_rows, pre_free)
+            if got is not None and got.numel() == 0:
                 # Every new key placed, with its slot and row id in the result: nothing evicted or failed.
                 none = unique[:0]
                 no_seg = none if self.segmented else None
                 return IndexResult(pos, found_rows, found, ~found, none, none, none, none, no_seg, no_seg)
-            if left is not None:
-                # The placed keys have their slots and row ids in pos and rows (moves follow them).
+            if got is not None:
+                # The placed keys have their slots and row ids in pos and rows (moves follow them);
+                # the places left go on (a copy: the kernel's buffer is reused by later calls).
                 widen = functools.partial(self._every_new_key, unique, seg, missing, batch_scores, distinct)
-                occurrences = missing = missing.index_select(0, (pos.index_select(0, missing) < 0).nonzero().squeeze(1))
+                occurrences = missing = got.clone()
         if distinct or missing.numel() == 0:
             new_keys, new_seg = unique.index_select(0, missing), _pick(seg, missing)
         elif self.native and seg is None:
@@ -409,12 +410,13 @@ class BatchPlacement:
         pos: torch.Tensor,
         rows: torch.Tensor,
         pre_free: torch.Tensor | None,
-    ) -> int | None:
+    ) -> torch.Tensor | None:
         """The first placement pass of a call under one clock value by the compiled insert, from
         the probe's missing places (repeats included; :func:`dynemb.kernels.insert.insert_new_native`):
         the new keys it places get their slots and row ids, in the index and in ``pos`` / ``rows``.
-        Returns how many places are left without a slot, or None where the kernel cannot take the
-        call (nothing was done)."""
+        Returns the places left without a slot ([left], in ``missing``'s order, a view of the
+        workspace; empty: every key placed), or None where the kernel cannot take the call
+        (nothing was done)."""
         free = self.free_list
         score = int(batch_scores[0])
         # The kernel counts each segment's placed keys (no slot -> segment mapping afterwards).
@@ -425,7 +427,7 @@ class BatchPlacement:
         )
         if got is None:
             return None
-        left, rounds = got
+        _, rounds, left = got
         # The free list hands out what the kernel took: one allocation a round, as _place_free's.
         for n in rounds:
             free.allocate(n, borrow=True)
