@@ -72,7 +72,7 @@ static bool row_order(const int64_t* rows, int64_t n, uint64_t* order, uint64_t*
   return true;
 }
 
-extern "C" DYN_INT_FLOAT_KERNEL int64_t dyn_init_rows(
+extern "C" DYN_AVX512_KERNEL int64_t dyn_init_rows(
     float* table,         // [R, width] the store's rows
     int64_t width,
     const int64_t* rows,  // [n] distinct row ids, any order

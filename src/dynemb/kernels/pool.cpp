@@ -24,7 +24,7 @@ static inline void copy_row(char* dst, const char* src, int64_t n) {
   }
 }
 
-extern "C" int64_t dyn_copy_bags(
+extern "C" DYN_AVX512_KERNEL int64_t dyn_copy_bags(
     char* out, int64_t out_stride,  // [B, *] the concat: row b at out + b * out_stride
     int64_t F, int64_t B,
     const int64_t* cols,            // [F] byte offset of feature f's columns in a concat row
