@@ -39,6 +39,33 @@ def test_rows_bitwise_like_the_initializer(D, optimizer, layout):
     assert torch.equal(ours.nan_to_num(7.0), theirs.nan_to_num(7.0))
 
 
+@pytest.mark.parametrize("rows", [[0], [499], [7, 3], [499, 0], [5, 4, 3, 2, 1], [3, 1, 2, 0]])
+def test_few_rows_in_any_order_bitwise_like_the_initializer(rows):
+    """One row at either end of the table, rows descending, a shuffled range of four."""
+    init = RowInitializer(dynemb.Initializer(), 6, 2, torch.float32, torch.device("cpu"))
+    rows = torch.tensor(rows)
+    keys = torch.tensor(KEYS[: rows.numel()])
+    ours = torch.full((500, 7), float("nan"))
+    theirs = ours.clone()
+    init_rows_native(ours, rows, keys, 6, 2, init.low, init.high, 0.5)
+    init_rows_torch(theirs, rows, init(keys), dynemb.optim.RowWiseAdagrad(initial_accumulator_value=0.5))
+    assert torch.equal(ours.nan_to_num(7.0), theirs.nan_to_num(7.0))
+
+
+def test_repeated_rows_are_each_written_with_one_of_their_keys():
+    """Rows must be distinct; where they repeat anyway (here inside a range as wide as the rows
+    given), each is written with the values of one of its keys and nothing else is touched."""
+    init = RowInitializer(dynemb.Initializer(), 4, 2, torch.float32, torch.device("cpu"))
+    # Views one element into their buffers: an index of -1 (a place left unset) would read row 3
+    # and key 99, and write row 3.
+    rows, keys = torch.tensor([3, 0, 0, 2])[1:], torch.tensor([99, 11, 22, 33])[1:]
+    ours = torch.full((5, 4), float("nan"))
+    init_rows_native(ours, rows, keys, 4, 2, init.low, init.high, 0.0)
+    values = init(keys)
+    assert torch.equal(ours[2], values[2]) and (torch.equal(ours[0], values[0]) or torch.equal(ours[0], values[1]))
+    assert ours[[1, 3, 4]].isnan().all()
+
+
 @pytest.mark.parametrize("D", [128, 129, 130])
 @pytest.mark.parametrize("offset", [0, 1])
 def test_many_rows_streamed_past_the_caches_bitwise_like_the_initializer(D, offset):

@@ -58,8 +58,12 @@ static bool row_order(const int64_t* rows, int64_t n, uint64_t* order, uint64_t*
   if (ascending) return false;
   const uint64_t span = static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo);
   if (span == static_cast<uint64_t>(n - 1)) {
+    // Every place of the range filled once, unless rows repeat (against the contract): then the
+    // sort below, which takes repeats too (the row is written twice, as it would be in turn).
+    constexpr uint64_t UNSET = ~uint64_t(0);
+    std::fill(order, order + n, UNSET);
     for (int64_t i = 0; i < n; ++i) order[rows[i] - lo] = static_cast<uint64_t>(i);
-    return true;
+    if (std::find(order, order + n, UNSET) == order + n) return true;
   }
   if ((span >> 32) == 0 && (static_cast<uint64_t>(n) >> 32) == 0) {
     for (int64_t i = 0; i < n; ++i) order[i] = (static_cast<uint64_t>(rows[i] - lo) << 32) | static_cast<uint64_t>(i);

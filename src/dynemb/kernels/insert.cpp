@@ -146,7 +146,7 @@ extern "C" int64_t dyn_insert_new(
         cand.of(keys[missing[t]], missing[t], &b1, &b2);
         if (!given && k + AHEAD < hi) {
           int64_t a1, a2;
-          const int64_t ahead = todo[k + AHEAD];
+          const int64_t ahead = round_no == 0 ? k + AHEAD : todo[k + AHEAD];
           cand.of(keys[missing[ahead]], missing[ahead], &a1, &a2);
           __builtin_prefetch(tags + a1 * W);
           __builtin_prefetch(tags + a2 * W);
