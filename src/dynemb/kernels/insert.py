@@ -35,11 +35,11 @@ def insert_new_native(
     rows: torch.Tensor,
     workspace,
     per_segment: torch.Tensor | None = None,
-) -> tuple[int, list[int], torch.Tensor] | None:
-    """Place the missing keys of one segment's index, in place; returns the number of places left
-    without a slot (0: every new key placed), the slots each round took (the free list's
-    allocations to commit, in turn) and those places ([left], in ``missing``'s order, a view of
-    ``workspace``), or None where the kernel cannot take the call (nothing was written).
+) -> tuple[list[int], torch.Tensor] | None:
+    """Place the missing keys of one segment's index, in place; returns the slots each round took
+    (the free list's allocations to commit, in turn) and the places left without a slot ([left],
+    in ``missing``'s order, a view of ``workspace``; empty: every new key placed), or None where
+    the kernel cannot take the call (nothing was written).
 
     Args:
         table_keys (Tensor[int64]), tags (Tensor[uint8]), table_scores (Tensor[int32|int64]),
@@ -88,4 +88,4 @@ def insert_new_native(
         cap,
         threads(),
     )
-    return None if left < 0 else (left, [r for r in rounds.tolist() if r], left_places[: max(left, 0)])
+    return None if left < 0 else ([r for r in rounds.tolist() if r], left_places[:left])

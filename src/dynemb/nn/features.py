@@ -13,13 +13,21 @@ import torch
 class Batch:
     """Validated input: per feature (collection order) its values [N_f], lengths [B] and weights."""
 
-    def __init__(self, values: list[torch.Tensor], lengths: list[torch.Tensor], weights: list[torch.Tensor | None], batch: int, stacked: torch.Tensor):
+    def __init__(
+        self,
+        values: list[torch.Tensor],
+        lengths: list[torch.Tensor],
+        weights: list[torch.Tensor | None],
+        batch: int,
+        stacked: torch.Tensor,
+        uniform_length: int | None = None,
+    ):
         self.values, self.lengths, self.weights, self.batch = values, lengths, weights, batch
         self.stacked = stacked  # lengths [F, B]
+        # The length every bag has, where all have the same (read with the lengths' check), else None.
+        self.uniform_length = uniform_length
         # Whether every bag holds one id, unweighted (a host sync), once asked for.
         self.one_id_per_bag: bool | None = None
-        # The length every bag has, where all have the same (read with the lengths' check), else None.
-        self.uniform_length: int | None = None
 
 
 def parse_features(features, feature_names: list[str], device: torch.device, *, pooled: bool, weighted: bool) -> Batch:
@@ -110,9 +118,7 @@ def parse_features(features, feature_names: list[str], device: torch.device, *, 
         for f, v in zip(feature_names, out_v):
             if v.numel():
                 raise ValueError(f"feature {f!r}: lengths sum to 0 but values has {v.numel()} entries")
-    parsed = Batch(out_v, out_l, out_w, batch or 0, stacked)
-    parsed.uniform_length = uniform
-    return parsed
+    return Batch(out_v, out_l, out_w, batch or 0, stacked, uniform)
 
 
 def _length_range(lengths: torch.Tensor) -> tuple[int, int]:

@@ -427,7 +427,7 @@ class BatchPlacement:
         )
         if got is None:
             return None
-        _, rounds, left = got
+        rounds, left = got
         # The free list hands out what the kernel took: one allocation a round, as _place_free's.
         for n in rounds:
             free.allocate(n, borrow=True)
