@@ -25,8 +25,9 @@ takes loss = (out * v).sum() for a fixed random v [D], and runs backward:
   ``KeyedJaggedTensor``; the same optimizer maths on its embedding's sparse gradient. It trains on
   the fill batches too, so it is full when timing starts.
 
-All contenders see the same batches; each repeat times them back to back on a fresh slice of
-the stream (so dynemb keeps meeting new keys), rotating which goes first.
+All contenders see the same batches; each repeat times them on a fresh slice of the stream (so
+dynemb keeps meeting new keys), step by step in turn (batch i for each contender, then batch
+i + 1), rotating which goes first.
 """
 
 from __future__ import annotations
@@ -209,16 +210,6 @@ def floor_parity_error(case: str, seed: int = 0) -> float:
     return (floor.weight - reference.emb.weight.detach()).abs().max().item()
 
 
-def _steps_per_second(step, batches: torch.Tensor) -> tuple[float, float | None]:
-    """Steps/s of ``step`` over the batches, and other processes' CPU share meanwhile."""
-    settle()
-    load = OthersLoad()
-    t0 = time.perf_counter()
-    for batch in batches:
-        step(batch)
-    return batches.shape[0] / (time.perf_counter() - t0), load.share()
-
-
 def _one_repeat(
     attempt: int,
     *,
@@ -233,16 +224,31 @@ def _one_repeat(
     dense,
     log,
 ) -> tuple[dict[str, float], list[float | None]]:
-    """Time the contenders on slice ``attempt`` of the stream after batch ``start``, the order
-    rotated by one each attempt; returns their steps/s and other processes' CPU share during each."""
-    part = slice(start + attempt * cfg.steps, start + (attempt + 1) * cfg.steps)
-    runs = [("dynemb", contender.step, batches[part]), ("reference", reference.step, dense[part]), ("floor", floor.step, dense[part])]
-    runs += [("mch", mch.step, batches[part])] if mch is not None else []
+    """Time the contenders on slice ``attempt`` of the stream after batch ``start``, step by
+    step in turn (batch i for each contender, then batch i + 1), the first of them rotating
+    with the attempt; returns their steps/s and other processes' CPU share during the attempt.
+
+    Interleaving pairs the contenders over the same seconds, as W3 does: with blocks of
+    ``steps`` steps per contender (0.4-1 s each) the shared 2-core machine's speed changed
+    between blocks by up to 1.7x, and which contender ran first after which decided much of
+    the paired ratio (perf-log 2026-11-27, eleventh session)."""
+    lo, hi = start + attempt * cfg.steps, start + (attempt + 1) * cfg.steps
+    runs = [("dynemb", contender.step, batches), ("reference", reference.step, dense), ("floor", floor.step, dense)]
+    runs += [("mch", mch.step, batches)] if mch is not None else []
     k = attempt % len(runs)
-    measured = {name: _steps_per_second(step, data) for name, step, data in runs[k:] + runs[:k]}
-    rates = {name: rate for name, (rate, _) in measured.items()}
+    order = runs[k:] + runs[:k]
+    elapsed = {name: 0.0 for name, _, _ in runs}
+    settle()
+    load = OthersLoad()
+    for i in range(lo, hi):
+        for name, step, data in order:
+            t0 = time.perf_counter()
+            step(data[i])
+            elapsed[name] += time.perf_counter() - t0
+    share = load.share()
+    rates = {name: cfg.steps / elapsed[name] for name, _, _ in runs}
     log(f"{cfg.workload} {case} attempt {attempt}: " + ", ".join(f"{name} {rates[name]:.2f} steps/s" for name, _, _ in runs))
-    return rates, [share for _, share in measured.values()]
+    return rates, [share] * len(runs)
 
 
 def key_counts(batches: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
