@@ -167,6 +167,25 @@ def settle() -> None:
     gc.collect()
 
 
+def time_step_by_step(order: Sequence[tuple[str, Callable, Sequence]], lo: int, hi: int) -> tuple[dict[str, float], float | None]:
+    """Seconds each contender's steps took on batches ``lo`` .. ``hi - 1`` of its inputs, run step
+    by step in turn (batch i for each contender in ``order``, then batch i + 1), and other
+    processes' CPU share meanwhile. ``order``: (name, step, inputs) with ``step(inputs[i])``.
+
+    Interleaving pairs the contenders over the same seconds: on a shared 2-core machine the
+    speed drifts between seconds, and blocks of steps per contender turned that drift into the
+    paired ratios' spread (perf-log: W3 2026-11-23, W1 2026-11-27 eleventh session)."""
+    elapsed = {name: 0.0 for name, _, _ in order}
+    settle()
+    load = OthersLoad()
+    for i in range(lo, hi):
+        for name, step, inputs in order:
+            t0 = time.perf_counter()
+            step(inputs[i])
+            elapsed[name] += time.perf_counter() - t0
+    return elapsed, load.share()
+
+
 def record(
     *,
     workload: str,

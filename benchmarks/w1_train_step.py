@@ -39,7 +39,7 @@ import time
 import torch
 
 import dynemb
-from harness import OthersLoad, paired_ratio, quiet_repeats, record, settle, wait_quiet
+from harness import OthersLoad, paired_ratio, quiet_repeats, record, settle, time_step_by_step, wait_quiet
 from keygen import zipf_keys
 from phases import PhaseTimer, instrument, phase_table, profile_steps, top_ops
 
@@ -225,27 +225,15 @@ def _one_repeat(
     log,
 ) -> tuple[dict[str, float], list[float | None]]:
     """Time the contenders on slice ``attempt`` of the stream after batch ``start``, step by
-    step in turn (batch i for each contender, then batch i + 1), the first of them rotating
-    with the attempt; returns their steps/s and other processes' CPU share during the attempt.
-
-    Interleaving pairs the contenders over the same seconds, as W3 does: with blocks of
-    ``steps`` steps per contender (0.4-1 s each) the shared 2-core machine's speed changed
-    between blocks by up to 1.7x, and which contender ran first after which decided much of
-    the paired ratio (perf-log 2026-11-27, eleventh session)."""
-    lo, hi = start + attempt * cfg.steps, start + (attempt + 1) * cfg.steps
+    step in turn (:func:`harness.time_step_by_step`; until 2026-11-27 in blocks of ``steps``
+    per contender, whose 0.4-1 s each let the machine's drift and the contenders' order decide
+    much of the paired ratio), the first of them rotating with the attempt; returns their
+    steps/s and other processes' CPU share during the attempt."""
     runs = [("dynemb", contender.step, batches), ("reference", reference.step, dense), ("floor", floor.step, dense)]
     runs += [("mch", mch.step, batches)] if mch is not None else []
     k = attempt % len(runs)
-    order = runs[k:] + runs[:k]
-    elapsed = {name: 0.0 for name, _, _ in runs}
-    settle()
-    load = OthersLoad()
-    for i in range(lo, hi):
-        for name, step, data in order:
-            t0 = time.perf_counter()
-            step(data[i])
-            elapsed[name] += time.perf_counter() - t0
-    share = load.share()
+    lo = start + attempt * cfg.steps
+    elapsed, share = time_step_by_step(runs[k:] + runs[:k], lo, lo + cfg.steps)
     rates = {name: cfg.steps / elapsed[name] for name, _, _ in runs}
     log(f"{cfg.workload} {case} attempt {attempt}: " + ", ".join(f"{name} {rates[name]:.2f} steps/s" for name, _, _ in runs))
     return rates, [share] * len(runs)

@@ -42,7 +42,7 @@ import torch
 
 import dynemb
 from dynemb.nn import DynamicEmbeddingBagCollection
-from harness import OthersLoad, paired_ratio, quiet_repeats, record, settle, wait_quiet
+from harness import OthersLoad, paired_ratio, quiet_repeats, record, time_step_by_step, wait_quiet
 from keygen import scramble, zipf_ranks
 from phases import PhaseTimer, phase_table, profile_steps, top_ops
 
@@ -287,25 +287,15 @@ def make_stream(cfg: W3Config) -> Stream:
 
 def _one_repeat(attempt: int, *, cfg: W3Config, start: int, runs: list, st: Stream, log) -> tuple[dict[str, float], list[float | None]]:
     """Time the contenders on slice ``attempt`` of the stream after batch ``start``, step by
-    step in turn (batch i for each contender, then batch i + 1), the first of them rotating
-    with the attempt; returns steps/s and others' CPU share during the attempt.
-
-    Interleaving the steps pairs the contenders over the same seconds: on a shared 2-core
-    machine the speed drifts by 10-20% between seconds, which blocks of 20 steps per
-    contender (1-2 s each) turned into most of the spread of the paired ratios."""
-    lo, hi = start + attempt * cfg.steps, start + (attempt + 1) * cfg.steps
+    step in turn (:func:`harness.time_step_by_step`; blocks of 20 steps per contender, 1-2 s
+    each, turned the machine's 10-20% drift between seconds into most of the paired ratios'
+    spread), the first of them rotating with the attempt; returns steps/s and others' CPU
+    share during the attempt."""
     inputs = {"collection": st.kjts, "loop": st.keys, "tbe": st.dense}
     k = attempt % len(runs)
     order = runs[k:] + runs[:k]
-    elapsed = dict.fromkeys(inputs, 0.0)
-    settle()
-    load = OthersLoad()
-    for i in range(lo, hi):
-        for name, step in order:
-            t0 = time.perf_counter()
-            step(inputs[name][i])
-            elapsed[name] += time.perf_counter() - t0
-    share = load.share()
+    lo = start + attempt * cfg.steps
+    elapsed, share = time_step_by_step([(name, step, inputs[name]) for name, step in order], lo, lo + cfg.steps)
     measured = {name: (cfg.steps / elapsed[name], share) for name, _ in order}
     rates = {name: rate for name, (rate, _) in measured.items()}
     log(
