@@ -54,7 +54,7 @@ def parse_features(features, feature_names: list[str], device: torch.device, *, 
         # One pass for the lengths' range: where every bag has the same length (single-hot
         # features) the sums need no second pass; a negative length is caught below.
         lo, hi = _length_range(per_feature)
-        totals = [lo * per_feature.shape[1]] * len(names) if lo == hi else per_feature.sum(1).tolist()
+        totals = _feature_sums(per_feature, lo, hi)
         # Already the [F, B] lengths, their sums and range when the features come in the collection's order.
         kjt = (per_feature, totals, (lo, hi))
         if sum(totals) != values.numel():
@@ -108,7 +108,7 @@ def parse_features(features, feature_names: list[str], device: torch.device, *, 
             negative = (stacked < 0).any(1)
             raise ValueError(f"feature {feature_names[int(negative.nonzero()[0])]!r}: lengths must be >= 0")
         if sums is None:
-            sums = [lo * batch] * len(feature_names) if lo == hi else stacked.sum(1).tolist()
+            sums = _feature_sums(stacked, lo, hi)
         for f, total, v in zip(feature_names, sums, out_v):
             if total != v.numel():
                 raise ValueError(f"feature {f!r}: lengths sum to {total} but values has {v.numel()} entries")
@@ -127,6 +127,12 @@ def _length_range(lengths: torch.Tensor) -> tuple[int, int]:
         return 0, 0
     lo, hi = torch.aminmax(lengths)
     return tuple(torch.stack((lo, hi)).tolist())
+
+
+def _feature_sums(lengths: torch.Tensor, lo: int, hi: int) -> list[int]:
+    """Each feature's length sum of lengths [F, B] whose range is [lo, hi]: no second pass where
+    every bag has the same length."""
+    return [lo * lengths.shape[1]] * lengths.shape[0] if lo == hi else lengths.sum(1).tolist()
 
 
 def _describe(value) -> str:
