@@ -294,29 +294,48 @@ def test_candidates_match_segments_candidates():
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-def test_cuckoo_moves_on_both_backends_same_slots(monkeypatch):
+@pytest.mark.parametrize("passes", [None, 1])
+def test_cuckoo_moves_on_both_backends_same_slots(monkeypatch, passes):
     # A full-size index filled near capacity in small calls: new keys whose buckets are full
-    # get room by moving residents (chains of two); the move kernel must run and agree.
+    # get room by moving residents (chains of two); the move kernel must run and agree. An
+    # index that cannot grow runs the moves and placements after the first pass in one call of
+    # the rest kernel; with passes=1 it hands back after every placement and is called again.
+    import dynemb.kernels.rest as rest
     import dynemb.table.placement as placement
 
-    calls = []
-    real = placement.make_room_native
+    calls = {"make_room": 0, "rest": 0}
 
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
+    def counted(name, real):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(placement, "make_room_native", counted)
+        return call
+
+    monkeypatch.setattr(placement, "make_room_native", counted("make_room", placement.make_room_native))
+    monkeypatch.setattr(placement, "place_rest_native", counted("rest", placement.place_rest_native))
+    if passes is not None:
+        monkeypatch.setattr(rest, "MAX_PASSES", passes)
     g = torch.Generator().manual_seed(11)
     batches = [torch.randint(-(10**9), 10**9, (40,), generator=g) for _ in range(30)]
     drive("step", lambda backend: KeyIndex(capacity=1024, bucket_capacity=8, backend=backend), batches)
-    assert calls
+    assert calls["rest"]
     drive(
         "lfu",
         lambda backend: KeyIndex(capacities=[300, 700], bucket_capacity=4, score_strategy="lfu", backend=backend),
         [torch.randint(-(10**9), 10**9, (60,), generator=g) for _ in range(25)],
         segments=2,
     )
+    # While some segment can grow, the Python loop runs, with the move kernel alone: segment 0
+    # is at its largest from the start, segment 1 grows.
+    calls["make_room"] = 0
+    drive(
+        "step",
+        lambda backend: KeyIndex(capacities=[64, 4096], init_capacities=[64, 256], bucket_capacity=4, backend=backend),
+        [torch.randint(-(10**9), 10**9, (80,), generator=g) for _ in range(12)],
+        segments=2,
+    )
+    assert calls["make_room"]
 
 
 @pytest.mark.parametrize("m", [1, 7, 300, 40_000])

@@ -139,6 +139,25 @@ def slot_args(table_keys: torch.Tensor, tags: torch.Tensor, table_scores: torch.
     )
 
 
+def move_args(table_keys: torch.Tensor, tags: torch.Tensor, table_rows: torch.Tensor, table_scores: torch.Tensor) -> tuple:
+    """The index's slots as the kernels that move keys between them take them, in their order:
+    the keys' address and slot step, the tags', the row ids' address, width and slot step, the
+    scores' the same, W, B."""
+    return (
+        ptr(table_keys),
+        slot_step(table_keys),
+        ptr(tags),
+        ptr(table_rows),
+        table_rows.element_size(),
+        slot_step(table_rows),
+        ptr(table_scores),
+        table_scores.element_size(),
+        slot_step(table_scores),
+        table_keys.shape[1],
+        table_keys.shape[0],
+    )
+
+
 def threads() -> int:
     """The thread count the kernels may use: torch's intra-op setting."""
     return torch.get_num_threads()

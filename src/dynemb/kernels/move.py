@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from dynemb.kernels import library, ptr, slot_step, threads
+from dynemb.kernels import library, move_args, ptr, threads
 
 # The deepest chain the kernel's output bounds cover (the index's MOVE_DEPTH).
 MAX_DEPTH = 2
@@ -51,17 +51,7 @@ def make_room_native(
     n_out = torch.zeros(2, dtype=torch.int64)
     of_bucket = segments.of_bucket
     s = library().dyn_make_room(
-        ptr(table_keys),
-        slot_step(table_keys),
-        ptr(tags),
-        ptr(table_rows),
-        table_rows.element_size(),
-        slot_step(table_rows),
-        ptr(table_scores),
-        table_scores.element_size(),
-        slot_step(table_scores),
-        W,
-        table_keys.shape[0],
+        *move_args(table_keys, tags, table_rows, table_scores),
         ptr(of_bucket),
         None if of_bucket is None else ptr(segments.counts),
         None if of_bucket is None else ptr(segments.offsets),

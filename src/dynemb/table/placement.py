@@ -27,6 +27,7 @@ from dynemb.kernels.insert import insert_new_native
 from dynemb.kernels.move import MAX_DEPTH as MOVE_KERNEL_DEPTH
 from dynemb.kernels.move import follow_all_native, follow_torch, make_room_native
 from dynemb.kernels.place import place_free_native
+from dynemb.kernels.rest import place_rest_native
 from dynemb.kernels.rows import put_rows_native, rows_of_new_native
 from dynemb.kernels.upsert import found_and_missing_native
 from dynemb.table.base import IndexResult
@@ -205,7 +206,17 @@ class BatchPlacement:
         # the priority of the placed ones (_displace), or ends. The host syncs per pass (sizes of
         # masked selections) are what lets the loop stop as soon as every key is placed.
         while True:
-            if self._grow_for(_pick(new_seg, pending)):
+            if self.native and not self._can_grow():
+                # The passes of the branch below, in one compiled call, until every key is placed
+                # or no tried key gets room (then on to displacement, as there).
+                stalled, pending, stopped = self._place_rest_native(new_keys, new_scores, new_seg, pending, waiting, hopeful, pos, new_pos)
+                gave_up |= stopped
+                if pending.numel() == 0:
+                    return pos, new_pos, pending, widened
+                if not stalled:
+                    continue
+                to_place = pending[:0]
+            elif self._grow_for(_pick(new_seg, pending)):
                 # Growth moved every key: find the batch's keys again.
                 pos, _ = self._locate(unique, seg)
                 new_pos = torch.where(waiting, -1, pos.index_select(0, missing))
@@ -231,18 +242,18 @@ class BatchPlacement:
                         # this call, so that a nearly full index does not spend many passes per call.
                         hopeful.zero_()
                         gave_up = True
-                if to_place.numel() == 0:
-                    if widen is not None:
-                        widened, (new_pos, waiting, pending, hopeful) = widen(pos, missing, new_pos, pending, hopeful, gave_up)
-                        missing, new_keys, new_scores, new_seg, _, _ = widened
-                        widen = None
-                    # Full: keys that found no free slot take slots of lower-priority keys of the
-                    # batch; displaced keys go round again (their other bucket may have room).
-                    pending, displaced = self._displace(new_keys, new_scores, pending, new_pos, new_seg)
-                    if not displaced:
-                        return pos, new_pos, pending, widened
-                    waiting.zero_().index_fill_(0, pending, True)
-                    to_place = pending
+            if to_place.numel() == 0:
+                if widen is not None:
+                    widened, (new_pos, waiting, pending, hopeful) = widen(pos, missing, new_pos, pending, hopeful, gave_up)
+                    missing, new_keys, new_scores, new_seg, _, _ = widened
+                    widen = None
+                # Full: keys that found no free slot take slots of lower-priority keys of the
+                # batch; displaced keys go round again (their other bucket may have room).
+                pending, displaced = self._displace(new_keys, new_scores, pending, new_pos, new_seg)
+                if not displaced:
+                    return pos, new_pos, pending, widened
+                waiting.zero_().index_fill_(0, pending, True)
+                to_place = pending
             placed, placed_pos = self._place_free(new_keys.index_select(0, to_place), new_scores.index_select(0, to_place), _pick(new_seg, to_place))
             done = to_place[placed]
             new_pos.scatter_(0, done, placed_pos[placed])
@@ -250,6 +261,51 @@ class BatchPlacement:
             pending = waiting.nonzero().squeeze(1)
             if pending.numel() == 0:
                 return pos, new_pos, pending, widened
+
+    def _place_rest_native(
+        self,
+        new_keys: torch.Tensor,
+        new_scores: torch.Tensor,
+        new_seg: torch.Tensor | None,
+        pending: torch.Tensor,
+        waiting: torch.Tensor,
+        hopeful: torch.Tensor,
+        pos: torch.Tensor,
+        new_pos: torch.Tensor,
+    ) -> tuple[bool, torch.Tensor, bool]:
+        """:meth:`_place_rest`'s moves and placements for an index that cannot grow, by the
+        compiled kernel (:func:`dynemb.kernels.rest.place_rest_native`: the same kernels in the
+        same order); ``waiting``, ``hopeful``, ``pos`` and ``new_pos`` are updated in place.
+        Returns (whether no tried key got room, the ranks still pending, whether the moves were
+        given up for the call)."""
+        free = self.free_list
+        per_segment = None if new_seg is None else torch.zeros(self.num_segments, dtype=torch.int64)
+        stalled, pending, gave_up, allocations, placed = place_rest_native(
+            self._keys,
+            self._tags,
+            self._rows,
+            self._scores,
+            self._segments,
+            new_keys,
+            new_scores,
+            new_seg,
+            pending,
+            waiting,
+            hopeful,
+            pos,
+            new_pos,
+            self.current_capacity() - self._size,
+            MOVE_DEPTH,
+            free.reusable(),
+            free.high_water,
+            per_segment,
+        )
+        # The free list hands out what the kernel took: one allocation a round, as _place_free's.
+        for n in allocations:
+            free.allocate(n, borrow=True)
+        self._size += placed
+        self._count("inserts", n=placed, per_segment=per_segment)
+        return stalled, pending, gave_up
 
     def _every_new_key(
         self,
