@@ -32,7 +32,7 @@ SIGNATURES = {
     "dyn_rows_update": "pippiiiiddddddpi",
     "dyn_init_rows": "pippiiipdddpi",
     "dyn_candidates": "ppppiippi",
-    "dyn_make_room": "pippiipiiiipppppiiippppipip",
+    "dyn_make_room": "pippiipiiiipppppiiippppipipi",
     "dyn_follow": "ppipppi",
     "dyn_place_rest": "pippiipiiiippppppipipppipiipiipippi",
     "dyn_evict_for": "pippiiiipppppipiipppppii",

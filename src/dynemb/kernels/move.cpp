@@ -4,6 +4,8 @@
 // buckets none of whose keys could move first get room made in their keys' other buckets
 // (recursively), then try again. Q buckets, W slots per bucket. ``dyn_make_room`` is the twin of
 // BatchPlacement._make_room around it: P pending keys in, whether each has room now out.
+#include <omp.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -16,6 +18,8 @@ namespace {
 
 // Buckets whose lines are requested ahead of the one being read.
 constexpr int64_t AHEAD = 4;
+// Full buckets a thread takes at least: a parallel region costs a few microseconds.
+constexpr int64_t MIN_PER_THREAD = 256;
 
 struct Mover {
   KeyCol keys;
@@ -25,6 +29,7 @@ struct Mover {
   const int64_t* of_bucket;  // [B] segment of each bucket, or null
   const int64_t* seg_counts;
   const int64_t* seg_offsets;
+  int64_t nthreads;
   std::vector<int64_t> src_all, dst_all, steps;
 
   int64_t free_in(int64_t b) const { return dynemb::free_in(tags, b, W); }
@@ -59,22 +64,28 @@ struct Mover {
     }
     const int64_t F = static_cast<int64_t>(full.size());
     if (F == 0) return full;
-    // Every resident's other bucket and its free slots, on the state as the call starts.
+    // Every resident's other bucket and its free slots, on the state as the call starts (reads
+    // only: the full buckets are shared among the threads).
     std::vector<int64_t> alt(F * W), best(F), best_free(F);
-    for (int64_t f = 0; f < F; ++f) {
-      if (f + AHEAD < F) prefetch_span<0>(keys.at(full[f + AHEAD] * W), keys.at(full[f + AHEAD] * W + W - 1));
-      for (int64_t j = 0; j < W; ++j) alt[f * W + j] = other(keys[full[f] * W + j], full[f]);
-    }
-    for (int64_t f = 0; f < F; ++f) {
-      if (f + AHEAD < F)
-        for (int64_t j = 0; j < W; ++j) __builtin_prefetch(tags + alt[(f + AHEAD) * W + j] * W);
-      best_free[f] = -1;
-      for (int64_t j = 0; j < W; ++j) {
-        const int64_t a = alt[f * W + j];
-        const int64_t fa = a == full[f] ? 0 : free_in(a);
-        if (fa > best_free[f]) {
-          best_free[f] = fa;
-          best[f] = j;
+#pragma omp parallel num_threads(threads(nthreads, F, MIN_PER_THREAD))
+    {
+#pragma omp for schedule(static)
+      for (int64_t f = 0; f < F; ++f) {
+        if (f + AHEAD < F) prefetch_span<0>(keys.at(full[f + AHEAD] * W), keys.at(full[f + AHEAD] * W + W - 1));
+        for (int64_t j = 0; j < W; ++j) alt[f * W + j] = other(keys[full[f] * W + j], full[f]);
+      }
+#pragma omp for schedule(static)
+      for (int64_t f = 0; f < F; ++f) {
+        if (f + AHEAD < F)
+          for (int64_t j = 0; j < W; ++j) __builtin_prefetch(tags + alt[(f + AHEAD) * W + j] * W);
+        best_free[f] = -1;
+        for (int64_t j = 0; j < W; ++j) {
+          const int64_t a = alt[f * W + j];
+          const int64_t fa = a == full[f] ? 0 : free_in(a);
+          if (fa > best_free[f]) {
+            best_free[f] = fa;
+            best[f] = j;
+          }
         }
       }
     }
@@ -149,9 +160,10 @@ extern "C" int64_t dyn_make_room(
     int64_t* src, int64_t* dst,          // [capacity] out
     int64_t capacity,
     int64_t* steps, int64_t max_steps,   // out
-    int64_t* n_out) {                    // [2] out
+    int64_t* n_out,                      // [2] out
+    int64_t nthreads) {
   Mover m{KeyCol(table_keys, key_step), tags, IntCol(table_rows, row_bytes, row_step), IntCol(table_scores, score_bytes, score_step), W, total_buckets,
-          of_bucket, seg_counts, seg_offsets, {}, {}, {}};
+          of_bucket, seg_counts, seg_offsets, nthreads, {}, {}, {}};
   const Candidates cand{seg, seg_counts, seg_offsets, total_buckets};
   std::vector<int64_t> b1(p), b2(p), needy(2 * p);
   for (int64_t i = 0; i < p; ++i) {

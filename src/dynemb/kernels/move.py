@@ -68,6 +68,7 @@ def make_room_native(
         ptr(steps),
         steps.numel(),
         ptr(n_out),
+        threads(),
     )
     if s < 0:
         raise RuntimeError("move kernel: more moves than its output bounds (a bug: the index is unchanged only if none ran)")

@@ -12,7 +12,7 @@
 
 extern "C" int64_t dyn_make_room(int64_t*, int64_t, uint8_t*, void*, int64_t, int64_t, void*, int64_t, int64_t, int64_t, int64_t, const int64_t*,
                                  const int64_t*, const int64_t*, const int64_t*, const int64_t*, int64_t, int64_t, int64_t, bool*, bool*, int64_t*,
-                                 int64_t*, int64_t, int64_t*, int64_t, int64_t*);
+                                 int64_t*, int64_t, int64_t*, int64_t, int64_t*, int64_t);
 extern "C" int64_t dyn_follow(const int64_t*, const int64_t*, int64_t, const int64_t*, const int64_t*, int64_t, int64_t);
 extern "C" int64_t dyn_place_free(int64_t*, int64_t, uint8_t*, void*, const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, const int64_t*,
                                   const int64_t*, const int64_t*, int64_t, int64_t*, int64_t*, int64_t*, int64_t*, int64_t, int64_t*, const int64_t*,
@@ -93,7 +93,7 @@ extern "C" int64_t dyn_place_rest(
         const int64_t s = dyn_make_room(table_keys, key_step, tags, table_rows, row_bytes, row_step, table_scores, score_bytes, score_step, W, total_buckets,
                                         of_bucket, seg_counts, seg_offsets, tried_keys.data(), seg ? tried_seg.data() : nullptr, p, depth, free_slots,
                                         reinterpret_cast<bool*>(room.data()), reinterpret_cast<bool*>(stuck.data()), src.data(), dst.data(), capacity,
-                                        steps.data(), MAX_STEPS, n_out);
+                                        steps.data(), MAX_STEPS, n_out, nthreads);
         if (s < 0) return finish(-1);
         int64_t start = 0;
         for (int64_t step = 0; step < s; ++step) {
