@@ -34,7 +34,7 @@ SIGNATURES = {
     "dyn_candidates": "ppppiippi",
     "dyn_make_room": "pippiipiiiipppppiiippppipipi",
     "dyn_follow": "ppipppi",
-    "dyn_place_rest": "pippiipiiiippppppipipppipiipiipippi",
+    "dyn_place_rest": "pippiipiiiippppppipipppipiiipiipippi",
     "dyn_evict_for": "pippiiiipppppipiipppppii",
     "dyn_evict_scratch_bytes": "iii",
     "dyn_upsert_found": "pippiiiipiippppippiipppppi",

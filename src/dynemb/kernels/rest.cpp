@@ -20,8 +20,7 @@ extern "C" int64_t dyn_place_free(int64_t*, int64_t, uint8_t*, void*, const int6
 
 using namespace dynemb;
 
-// As placement.py's GIVE_UP, and place.cpp's rounds.
-static constexpr int64_t GIVE_UP = 8;
+// As place.cpp: placement rounds a call of dyn_place_free may make.
 static constexpr int MAX_ROUNDS = PLACEMENT_ROUNDS;
 // As move.py: steps of moves one make_room call may report.
 static constexpr int64_t MAX_STEPS = 8;
@@ -43,8 +42,10 @@ extern "C" int64_t dyn_place_rest(
     bool* waiting, bool* hopeful,         // [M] in/out: as _place_rest's
     int64_t* pos, int64_t n_pos,          // [U] in/out: the batch's slots, followed through the moves
     int64_t* new_pos,                     // [M] in/out: the new keys' slots (-1: none yet)
-    int64_t free_slots,                   // empty slots of the index as the call starts (> 0)
+    int64_t free_slots,                   // empty slots of the index as the call starts
     int64_t depth,                        // the index's MOVE_DEPTH
+    int64_t give_up,                      // its GIVE_UP: moves stop for the call after a pass that made room
+                                          // for fewer than 1 in give_up of the keys tried
     const int64_t* free_ids, int64_t top, int64_t high_water,  // the free list (FreeList.reusable, high_water)
     int64_t* allocations, int64_t max_allocations,             // out: row ids taken by each placement round, in turn
     int64_t* seg_placed,                  // [S] or null (with seg): each segment's placed keys are added
@@ -105,7 +106,7 @@ extern "C" int64_t dyn_place_rest(
         if (stuck[i]) hopeful[tried[i]] = false;
         if (room[i]) to_place.push_back(tried[i]);
       }
-      if (static_cast<int64_t>(to_place.size()) * GIVE_UP < p) {
+      if (static_cast<int64_t>(to_place.size()) * give_up < p) {
         // Few keys got room: the free slots left are hard to reach (as _place_rest).
         std::fill(hopeful, hopeful + m, false);
         gave_up = true;

@@ -38,6 +38,7 @@ def place_rest_native(
     new_pos: torch.Tensor,
     free_slots: int,
     depth: int,
+    give_up: int,
     free_ids: torch.Tensor,
     high_water: int,
     per_segment: torch.Tensor | None = None,
@@ -55,7 +56,8 @@ def place_rest_native(
             those moves may still help.
         pos (Tensor[int64]): [U], new_pos (Tensor[int64]): [M] contiguous: the call's slots and
             the new keys' (-1: none), followed through the moves and filled in place.
-        free_slots: empty slots of the index (> 0); depth: the longest chain of moves.
+        free_slots: empty slots of the index; depth: the longest chain of moves; give_up: moves
+            stop for the call after a pass that made room for fewer than 1 in ``give_up`` keys.
         free_ids (Tensor[int64]): the free list's reusable ids; high_water: its first fresh id.
         per_segment (Tensor[int64] | None): [S] with ``seg``: each segment's placed keys are added.
     Returns:
@@ -94,6 +96,7 @@ def place_rest_native(
         ptr(new_pos),
         free_slots,
         depth,
+        give_up,
         ptr(free_ids),
         free_ids.numel(),
         high_water,

@@ -296,6 +296,7 @@ class BatchPlacement:
             new_pos,
             self.current_capacity() - self._size,
             MOVE_DEPTH,
+            GIVE_UP,
             free.reusable(),
             free.high_water,
             per_segment,
