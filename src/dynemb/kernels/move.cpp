@@ -4,8 +4,6 @@
 // buckets none of whose keys could move first get room made in their keys' other buckets
 // (recursively), then try again. Q buckets, W slots per bucket. ``dyn_make_room`` is the twin of
 // BatchPlacement._make_room around it: P pending keys in, whether each has room now out.
-#include <omp.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <vector>

@@ -25,8 +25,9 @@ static constexpr int MAX_ROUNDS = PLACEMENT_ROUNDS;
 // As move.py: steps of moves one make_room call may report.
 static constexpr int64_t MAX_STEPS = 8;
 
-// Returns 0 when every pending key got a slot, 1 when a pass found no tried key room (the caller
-// goes on: displacement, eviction), 2 when ``allocations`` has no room for another placement
+// Returns 0 when every pending key got a slot, 1 when a pass ended with no key to place (no
+// hopeful pending key left to try, no free slot, or none of the tried keys got room: the caller
+// goes on with displacement, then eviction), 2 when ``allocations`` has no room for another placement
 // call (keys pending: the caller's loop goes on, and may call again), -1 when a kernel's output
 // bound was exceeded (a bug: keys may have moved). ``out`` [4]: pending keys left, whether the
 // moves were given up for the call (0 / 1), entries written to ``allocations``, keys placed.
@@ -51,7 +52,6 @@ extern "C" int64_t dyn_place_rest(
     int64_t* seg_placed,                  // [S] or null (with seg): each segment's placed keys are added
     int64_t* out,                         // [4] out
     int64_t nthreads) {
-  const KeyCol slot_keys(table_keys, key_step);
   const IntCol slot_rows(table_rows, row_bytes, row_step);
   std::vector<int64_t> tried, tried_keys, tried_seg, to_place, place_keys, place_scores, place_seg;
   std::vector<int64_t> src, dst, steps(MAX_STEPS), place_pos, order, scratch;

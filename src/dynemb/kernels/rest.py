@@ -61,12 +61,13 @@ def place_rest_native(
         free_ids (Tensor[int64]): the free list's reusable ids; high_water: its first fresh id.
         per_segment (Tensor[int64] | None): [S] with ``seg``: each segment's placed keys are added.
     Returns:
-        (stalled, pending, gave_up, allocations, placed): whether the last pass found no tried
-        key room (the caller goes on with displacement or eviction); the ranks still pending
-        ([P'], ascending; empty: every key placed; else, when not stalled, the kernel handed back
-        after MAX_PASSES placement calls and may be called again); whether moves were given up
-        for the rest of the call; the row ids each placement round took (the free list's
-        allocations to commit, in turn); the keys placed.
+        (code, pending, gave_up, allocations, placed): 0 every key placed; 1 the last pass had no
+        key to place (the caller goes on with displacement, then eviction); 2 handed back after
+        MAX_PASSES placement calls, keys pending (call again); -1 a kernel's output bound was
+        exceeded (a bug; the passes before it are done and reported). Then the ranks still
+        pending ([P'], ascending); whether moves were given up for the rest of the call; the row
+        ids each placement round took (the free list's allocations to commit, in turn); the keys
+        placed.
     """
     for name, t in (("waiting", waiting), ("hopeful", hopeful), ("pos", pos), ("new_pos", new_pos)):
         if not t.is_contiguous():
@@ -107,6 +108,4 @@ def place_rest_native(
         threads(),
     )
     left, gave_up, n_alloc, placed = out.tolist()
-    if code < 0:
-        raise RuntimeError("rest kernel: an output bound was exceeded (a bug: keys may have moved)")
-    return code == 1, pending[:left], bool(gave_up), allocations[:n_alloc].tolist(), placed
+    return code, pending[:left], bool(gave_up), allocations[:n_alloc].tolist(), placed

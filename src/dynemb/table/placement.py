@@ -280,7 +280,7 @@ class BatchPlacement:
         given up for the call)."""
         free = self.free_list
         per_segment = None if new_seg is None else torch.zeros(self.num_segments, dtype=torch.int64)
-        stalled, pending, gave_up, allocations, placed = place_rest_native(
+        code, pending, gave_up, allocations, placed = place_rest_native(
             self._keys,
             self._tags,
             self._rows,
@@ -306,7 +306,9 @@ class BatchPlacement:
             free.allocate(n, borrow=True)
         self._size += placed
         self._count("inserts", n=placed, per_segment=per_segment)
-        return stalled, pending, gave_up
+        if code < 0:
+            raise RuntimeError("rest kernel: an output bound was exceeded (a bug; the keys placed before it are counted)")
+        return code == 1, pending, gave_up
 
     def _every_new_key(
         self,
