@@ -281,6 +281,14 @@ inline void radix_sort_bits(uint64_t* v, uint64_t* buffer, int64_t n, uint64_t b
   if (src != v) std::copy(src, src + n, v);
 }
 
+// The k-th of the n row ids one FreeList.allocate(n) hands out, from the free list's reusable
+// ids ``free_ids[0, top)`` and its first never-used id ``high_water``: the last ``reused`` =
+// min(n, top) reusable ids in order, then fresh ones. The caller then takes ``reused`` off ``top``
+// and adds n - reused to ``high_water``.
+inline int64_t allocated_id(const int64_t* free_ids, int64_t top, int64_t high_water, int64_t reused, int64_t k) {
+  return k < reused ? free_ids[top - reused + k] : high_water + (k - reused);
+}
+
 // Whether a key whose candidates b1, b2 have free slots f1, f2 tries b2 in a placement round
 // (docs/design/0006): the candidate with more free slots, ties by a bit of the buckets; the
 // other one in the last round (``other``).

@@ -247,7 +247,7 @@ extern "C" int64_t dyn_insert_new(
             const FreeSlots now = free_slots(tags, b, W);
             slot = b * W + now.first;
             write_slot(slot_keys, tags, slot_scores, slot, key, score);
-            const int64_t id = k < reused ? free_ids[top - reused + k] : high_water + (k - reused);
+            const int64_t id = allocated_id(free_ids, top, high_water, reused, k);
             slot_rows.set(slot, id);
             ++k;
             ++taken;

@@ -135,7 +135,7 @@ extern "C" int64_t dyn_place_rest(
     int64_t k = 0;
     for (int r = 0; r < MAX_ROUNDS && rounds[r]; ++r) {
       const int64_t n = rounds[r], reused = n < top ? n : top;
-      for (int64_t j = 0; j < n; ++j, ++k) slot_rows.set(order[k], j < reused ? free_ids[top - reused + j] : high_water + (j - reused));
+      for (int64_t j = 0; j < n; ++j, ++k) slot_rows.set(order[k], allocated_id(free_ids, top, high_water, reused, j));
       top -= reused;
       high_water += n - reused;
       allocations[n_alloc++] = n;

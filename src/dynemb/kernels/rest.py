@@ -42,7 +42,7 @@ def place_rest_native(
     free_ids: torch.Tensor,
     high_water: int,
     per_segment: torch.Tensor | None = None,
-) -> tuple[bool, torch.Tensor, bool, list[int], int]:
+) -> tuple[int, torch.Tensor, bool, list[int], int]:
     """Place the ``pending`` new keys by cuckoo moves and free slots, in place.
 
     Args:
