@@ -30,6 +30,7 @@ SIGNATURES = {
     "dyn_rows_put": "piippii",
     "dyn_rows_of_new": "piippipppi",
     "dyn_rows_update": "pippiiiiddddddpi",
+    "dyn_rows_update_bags": "pippipppiiiiddddddpi",
     "dyn_init_rows": "pippiiipdddpi",
     "dyn_candidates": "ppppiippi",
     "dyn_make_room": "pippiipiiiipppppiiippppipipi",

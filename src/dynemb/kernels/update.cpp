@@ -44,6 +44,61 @@ static inline float sum_of_squares(const float* x, int64_t n) {
   return sum;
 }
 
+// The optimizer's constants of one step (see dyn_rows_update's arguments).
+struct Step {
+  int64_t kind;
+  float lr, wd, eps, a, b, c;
+};
+
+// One row's step in place from its summed gradient ``gu`` [D] (``g`` [D] and ``out`` [width]
+// scratch): returns false, the row unchanged, where ``check`` finds the gradient or the result
+// not finite. Inlined into each kernel's clone (the same arithmetic in both kernels).
+static inline __attribute__((always_inline)) bool step_row(float* row, const float* gu, float* g, float* out, int64_t D, int64_t width, const Step& st,
+                                                           bool check) {
+  const float lr = st.lr, wd = st.wd, eps = st.eps, a = st.a, b = st.b, c = st.c;
+  for (int64_t j = 0; j < D; ++j) g[j] = wd != 0.0f ? gu[j] + wd * row[j] : gu[j];
+  bool finite = !check || all_finite(gu, D);
+  switch (st.kind) {
+    case SGD:
+      for (int64_t j = 0; j < D; ++j) out[j] = row[j] + (-lr) * g[j];
+      break;
+    case ADAGRAD: {
+      for (int64_t j = 0; j < D; ++j) {
+        const float s = row[D + j] + g[j] * g[j];
+        out[D + j] = s;
+        out[j] = row[j] + (-a) * (g[j] / (std::sqrt(s) + eps));
+      }
+      break;
+    }
+    case ROWWISE_ADAGRAD: {
+      const float s = row[D] + sum_of_squares(g, D) / static_cast<float>(D);
+      out[D] = s;
+      const float denom = std::sqrt(s) + eps;
+      for (int64_t j = 0; j < D; ++j) out[j] = row[j] + (-lr) * (g[j] / denom);
+      break;
+    }
+    case ADAM: {
+      for (int64_t j = 0; j < D; ++j) {
+        const float m0 = row[D + j], v0 = row[2 * D + j];
+        const float m = m0 + a * (g[j] - m0);
+        const float v = v0 + (g[j] * g[j] - v0) * b;
+        out[D + j] = m;
+        out[2 * D + j] = v;
+        out[j] = row[j] + (-c) * (m / (std::sqrt(v) + eps));
+      }
+      break;
+    }
+  }
+  if (check && !(finite && all_finite(out, width))) return false;
+  for (int64_t j = 0; j < width; ++j) row[j] = out[j];
+  return true;
+}
+
+static Step step_of(int64_t kind, double lr, double weight_decay, double eps, double a, double b, double c) {
+  return {kind, static_cast<float>(lr), static_cast<float>(weight_decay), static_cast<float>(eps), static_cast<float>(a), static_cast<float>(b),
+          static_cast<float>(c)};
+}
+
 extern "C" DYN_FLOAT_KERNEL int64_t dyn_rows_update(
     float* table,        // [R, width] the store's rows
     int64_t width,
@@ -55,8 +110,7 @@ extern "C" DYN_FLOAT_KERNEL int64_t dyn_rows_update(
     double a_, double b_, double c_,  // Adagrad: a = the decayed lr; Adam: a, b = 1 - beta1, 1 - beta2, c = step size
     bool* bad,           // [U] out, or null: apply whatever comes (nonfinite_grads="apply")
     int64_t nthreads) {
-  const float lr = static_cast<float>(lr_), wd = static_cast<float>(weight_decay_), eps = static_cast<float>(eps_);
-  const float a = static_cast<float>(a_), b = static_cast<float>(b_), c = static_cast<float>(c_);
+  const Step st = step_of(kind, lr_, weight_decay_, eps_, a_, b_, c_);
   int64_t n_bad = 0;
 #pragma omp parallel num_threads(threads(nthreads, n, 256)) reduction(+ : n_bad)
   {
@@ -68,50 +122,64 @@ extern "C" DYN_FLOAT_KERNEL int64_t dyn_rows_update(
         const char* next = reinterpret_cast<const char*>(table + rows[u + AHEAD] * width);
         for (int64_t off = 0; off < width * 4; off += 64) __builtin_prefetch(next + off, 1);
       }
-      float* row = table + rows[u] * width;
-      const float* gu = grad + u * grad_stride;
-      for (int64_t j = 0; j < D; ++j) g[j] = wd != 0.0f ? gu[j] + wd * row[j] : gu[j];
-      bool finite = bad == nullptr || all_finite(gu, D);
-      switch (kind) {
-        case SGD:
-          for (int64_t j = 0; j < D; ++j) out[j] = row[j] + (-lr) * g[j];
-          break;
-        case ADAGRAD: {
-          for (int64_t j = 0; j < D; ++j) {
-            const float s = row[D + j] + g[j] * g[j];
-            out[D + j] = s;
-            out[j] = row[j] + (-a) * (g[j] / (std::sqrt(s) + eps));
-          }
-          break;
-        }
-        case ROWWISE_ADAGRAD: {
-          const float s = row[D] + sum_of_squares(g.data(), D) / static_cast<float>(D);
-          out[D] = s;
-          const float denom = std::sqrt(s) + eps;
-          for (int64_t j = 0; j < D; ++j) out[j] = row[j] + (-lr) * (g[j] / denom);
-          break;
-        }
-        case ADAM: {
-          for (int64_t j = 0; j < D; ++j) {
-            const float m0 = row[D + j], v0 = row[2 * D + j];
-            const float m = m0 + a * (g[j] - m0);
-            const float v = v0 + (g[j] * g[j] - v0) * b;
-            out[D + j] = m;
-            out[2 * D + j] = v;
-            out[j] = row[j] + (-c) * (m / (std::sqrt(v) + eps));
-          }
-          break;
-        }
-      }
+      const bool ok = step_row(table + rows[u] * width, grad + u * grad_stride, g.data(), out.data(), D, width, st, bad != nullptr);
       if (bad) {
-        finite = finite && all_finite(out.data(), width);
-        bad[u] = !finite;
-        if (!finite) {
-          ++n_bad;
-          continue;
-        }
+        bad[u] = !ok;
+        n_bad += !ok;
       }
-      for (int64_t j = 0; j < width; ++j) row[j] = out[j];
+    }
+  }
+  return n_bad;
+}
+
+// dyn_rows_update with each row's gradient summed from a bag collection's concat gradient as
+// pool.cpp's dyn_sum_bags sums it (the same floats added in the same order), in the same pass:
+// no [U, D] gradient is written and read back (docs/design/0017). Bitwise dyn_sum_bags, then
+// dyn_rows_update.
+static constexpr int64_t SUM_AHEAD = 16;
+
+extern "C" DYN_FLOAT_KERNEL int64_t dyn_rows_update_bags(
+    float* table,              // [R, width] the store's rows
+    int64_t width,
+    const int64_t* rows,       // [U] row ids, distinct, each in [0, R)
+    const float* grad,         // the concat gradient as unit rows [B * K, u]
+    int64_t unit,              // u: floats per unit row
+    const int64_t* first_row,  // [N] the unit row where id n's D floats begin
+    const int64_t* order,      // [N] the ids grouped by unique row
+    const int64_t* starts,     // [U] where row u's ids begin in order (ids up to the next start, or N)
+    int64_t n, int64_t N, int64_t D, int64_t kind,
+    double lr_, double weight_decay_, double eps_, double a_, double b_, double c_,
+    bool* bad,                 // [U] out, or null
+    int64_t nthreads) {
+  const Step st = step_of(kind, lr_, weight_decay_, eps_, a_, b_, c_);
+  int64_t n_bad = 0;
+#pragma omp parallel num_threads(threads(nthreads, N, 8192)) reduction(+ : n_bad)
+  {
+    std::vector<float> sum(D), g(D), out(width);
+    // Dynamic chunks, as dyn_sum_bags: a hot key's row has many ids.
+#pragma omp for schedule(dynamic, 256)
+    for (int64_t u = 0; u < n; ++u) {
+      // The rows lie anywhere in the store: fetch a few rows ahead while this one is summed.
+      if (u + AHEAD < n) {
+        const char* next = reinterpret_cast<const char*>(table + rows[u + AHEAD] * width);
+        for (int64_t off = 0; off < width * 4; off += 64) __builtin_prefetch(next + off, 1);
+      }
+      float* row = table + rows[u] * width;
+      for (int64_t d = 0; d < D; ++d) sum[d] = 0.0f;
+      const int64_t end = u + 1 < n ? starts[u + 1] : N;
+      for (int64_t t = starts[u]; t < end; ++t) {
+        if (t + SUM_AHEAD < N) {
+          const char* next = reinterpret_cast<const char*>(grad + first_row[order[t + SUM_AHEAD]] * unit);
+          for (int64_t off = 0; off < D * 4; off += 64) __builtin_prefetch(next + off);
+        }
+        const float* src = grad + first_row[order[t]] * unit;
+        for (int64_t d = 0; d < D; ++d) sum[d] += src[d];
+      }
+      const bool ok = step_row(row, sum.data(), g.data(), out.data(), D, width, st, bad != nullptr);
+      if (bad) {
+        bad[u] = !ok;
+        n_bad += !ok;
+      }
     }
   }
   return n_bad;

@@ -46,8 +46,9 @@ class Lookup:
         self.repeatable = repeatable
         self.group, self.segments, self.grouping = group, segments, grouping
 
-    def apply(self, grad_u: torch.Tensor | None = None, inverse: torch.Tensor | None = None, grad: torch.Tensor | None = None) -> None:
-        """Apply grad_u [U, D], or sum grad [N, D] per key by inverse [N] first."""
+    def apply(self, grad_u=None, inverse: torch.Tensor | None = None, grad: torch.Tensor | None = None) -> None:
+        """Apply grad_u [U, D] (a tensor, or a bag collection's :class:`dynemb.nn.units.BagGradients`
+        that the update sums), or sum grad [N, D] per key by inverse [N] first."""
         if self.applied and not self.repeatable:
             raise RuntimeError(
                 "backward ran twice through one dynemb lookup: its fused optimizer update was already applied to "

@@ -23,11 +23,12 @@ from collections.abc import Callable, Iterator
 import torch
 
 from dynemb.config import TableConfig
-from dynemb.kernels.update import update_rows_native
+from dynemb.kernels.update import update_rows_from_bags_native, update_rows_native
 from dynemb.nn.base import Resolved
 from dynemb.nn.changes import ChangeLog
 from dynemb.nn.functional import init_rows_in_place, leaving_contents, native_update_spec, screen_update, update_by_step, with_initial_state
 from dynemb.nn.tiering import check_memory, default_store, group_key, touch_resolved
+from dynemb.nn.units import BagGradients, dense_gradient
 from dynemb.optim.base import RowOptimizer
 from dynemb.storage.base import FlushableStore, KeyedRowStore, RowStore, TierStats, Touchable
 from dynemb.storage.caching import CachingRowStore, caching_problem
@@ -349,7 +350,9 @@ class Engine:
         Args:
             keys (Tensor[int64]): [U] distinct keys.
             rows (Tensor[int64]): [U] their row ids when ``data`` was read; -1 rows are skipped.
-            grads (Tensor): [U, D] gradient summed per key.
+            grads (Tensor | BagGradients): [U, D] gradient summed per key, or a bag
+                collection's gradient to sum (in the update's own pass where the compiled
+                kernel updates the rows in place and no key is dropped, else summed first).
             segments (Tensor[int64] | None): [U] the table of each key (None: table 0).
             data (Tensor | None): [U, D+S] the rows as read at ``version`` (saves a gather).
             version: the engine version when ``rows`` / ``data`` were read; if the table changed
@@ -368,12 +371,14 @@ class Engine:
         with writable():
             keep = rows >= 0
             if not bool(keep.all()):
+                grads = dense_gradient(grads)
                 sel = keep.nonzero().squeeze(1)
                 keys, rows, grads, segments = keys.index_select(0, sel), rows.index_select(0, sel), grads.index_select(0, sel), _select(segments, sel)
                 data = _select(data, sel)
             if version is not None and version != self.version:
                 # Rows were written since they were read (another lookup, insert or update): find
                 # the keys again and skip those evicted or erased meanwhile.
+                grads = dense_gradient(grads)
                 rows, found = self.find(keys, segments)
                 sel = found.nonzero().squeeze(1)
                 keys, rows, grads, segments = keys.index_select(0, sel), rows.index_select(0, sel), grads.index_select(0, sel), _select(segments, sel)
@@ -384,10 +389,16 @@ class Engine:
             D = self.embedding_dim
             steps = set(new_steps)
             spec = native_update_spec(self.index.compiled, self.optimizer, self.store, grads, steps, nonfinite)
-            if spec is not None:
+            check = nonfinite is NonFiniteGrads.SKIP
+            if spec is not None and isinstance(grads, BagGradients):
+                # The compiled kernel sums each row's gradient from the bags in the same pass.
+                g = grads
+                bad = update_rows_from_bags_native(self.store.data, rows, g.grad_rows, g.first_row, g.order, g.starts, g.k, spec, check=check)
+            elif spec is not None:
                 # The compiled kernel: one pass over the rows in the store, non-finite rows kept.
-                bad = update_rows_native(self.store.data, rows, grads, spec, check=nonfinite is NonFiniteGrads.SKIP)
+                bad = update_rows_native(self.store.data, rows, grads, spec, check=check)
             else:
+                grads = dense_gradient(grads)
                 if data is None:
                     data = self.store.gather(rows)
                 update_by_step(self.optimizer, data, D, grads, new_steps, segments, self.index.compiled)

@@ -34,6 +34,7 @@ from dynemb.nn.engine import Engine, Resolved, group_key
 from dynemb.nn.functional import sum_per_key
 from dynemb.nn.inputs import agreed_input, as_ids, checked_insert
 from dynemb.nn.moves import conversion_target
+from dynemb.nn.units import dense_gradient
 from dynemb.optim.base import RowOptimizer
 from dynemb.storage.base import RowStore
 from dynemb.types import CheckMode, ScoreStrategy, UpdateMode
@@ -296,6 +297,9 @@ class DynamicTables(torch.nn.Module):
             if grad_u is None:
                 # Into a buffer kept between steps, consumed before the lock is released.
                 grad_u = sum_per_key(grad, inverse, lookup.grouping, self._workspace, f"grad{lookup.group}", lookup.keys.numel())
+            if self._pending is not None or not isinstance(engine, Engine):
+                # Only a local engine's update sums a bag collection's gradient itself.
+                grad_u = dense_gradient(grad_u)
             if self._pending is not None:
                 keys, segs = lookup.keys, lookup.segments
                 ok = lookup.rows >= 0

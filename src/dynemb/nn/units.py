@@ -223,6 +223,33 @@ def _reshaped(t: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), shape)
 
 
+class BagGradients:
+    """A group's gradient per unique row, [U_g, D_g], not summed yet: row i's is the sum of the
+    concat gradient's slices (k unit rows each) at its ids ``order[starts[i] : starts[i + 1]]``.
+    The fused update sums it in its own pass over the rows where it can
+    (:func:`dynemb.kernels.update.update_rows_from_bags_native`: no [U_g, D_g] gradient written
+    and read back); every other path takes :meth:`dense`. Only for what the compiled sum takes:
+    unweighted float32 bags on CPU (:func:`group_gradient`)."""
+
+    __slots__ = ("first_row", "grad_rows", "k", "num_unique", "order", "starts")
+
+    def __init__(self, grad_rows: torch.Tensor, first_row: torch.Tensor, order: torch.Tensor, starts: torch.Tensor, num_unique: int, k: int):
+        self.grad_rows, self.first_row, self.order, self.starts, self.num_unique, self.k = grad_rows, first_row, order, starts, num_unique, k
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.grad_rows.dtype
+
+    def dense(self) -> torch.Tensor:
+        """The gradient [U_g, D_g] (:func:`dynemb.kernels.pool.sum_bags_native`)."""
+        return sum_bags_native(self.grad_rows, self.first_row, self.order, self.starts, self.num_unique, self.k)
+
+
+def dense_gradient(grads: torch.Tensor | BagGradients) -> torch.Tensor:
+    """``grads`` as a tensor [U, D] (a :class:`BagGradients` summed)."""
+    return grads.dense() if isinstance(grads, BagGradients) else grads
+
+
 def group_gradient(
     grad_rows: torch.Tensor,
     info: _GroupGrad,
@@ -231,11 +258,12 @@ def group_gradient(
     num_unique: int,
     k: int,
     native: bool = False,
-) -> torch.Tensor:
+) -> torch.Tensor | BagGradients:
     """Gradient [U_g, D_g] of a group's unique rows from the concat gradient in unit rows
     [B * K, u]; ``order`` [N_g] lists the ids by unique row, ``starts`` [U_g] where each row's
-    ids begin. ``native``: unweighted float32 on CPU summed by the compiled kernel
-    (:func:`dynemb.kernels.pool.sum_bags_native`, the ids in the same order)."""
+    ids begin. ``native``: unweighted float32 on CPU is left to the compiled kernels, as a
+    :class:`BagGradients` (summed by :func:`dynemb.kernels.pool.sum_bags_native`, or in the
+    update's pass; the ids in the same order either way)."""
     if native and info.scale is None and grad_rows.dtype == torch.float32 and grad_rows.device.type == "cpu":
-        return sum_bags_native(grad_rows, info.first_row, order, starts, num_unique, k)
+        return BagGradients(grad_rows, info.first_row, order, starts, num_unique, k)
     return sum_bags_torch(grad_rows, info.first_row, order, starts, num_unique, k, info.scale)
