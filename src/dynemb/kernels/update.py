@@ -20,6 +20,12 @@ from dynemb.kernels import library, ptr, threads
 from dynemb.kernels.pool import sum_bags_torch
 
 
+def _step_args(spec: dict) -> tuple:
+    """The kernels' step arguments from an optimizer's ``native_update`` spec: kind, lr,
+    weight_decay, eps, a, b, c."""
+    return (KINDS[spec["kind"]], spec["lr"], *(spec.get(name, 0.0) for name in ("weight_decay", "eps", "a", "b", "c")))
+
+
 def update_rows_native(table: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor, spec: dict, *, check: bool) -> torch.Tensor | None:
     """Update ``table``'s rows ``rows`` in place; rows whose gradient or result is not finite
     are left unchanged with ``check``.
@@ -52,13 +58,7 @@ def update_rows_native(table: torch.Tensor, rows: torch.Tensor, grads: torch.Ten
         grads.stride(0),
         n,
         D,
-        KINDS[spec["kind"]],
-        spec["lr"],
-        spec.get("weight_decay", 0.0),
-        spec.get("eps", 0.0),
-        spec.get("a", 0.0),
-        spec.get("b", 0.0),
-        spec.get("c", 0.0),
+        *_step_args(spec),
         ptr(bad),
         threads(),
     )
@@ -124,13 +124,7 @@ def update_rows_from_bags_native(
         n,
         order.numel(),
         k * u,
-        KINDS[spec["kind"]],
-        spec["lr"],
-        spec.get("weight_decay", 0.0),
-        spec.get("eps", 0.0),
-        spec.get("a", 0.0),
-        spec.get("b", 0.0),
-        spec.get("c", 0.0),
+        *_step_args(spec),
         ptr(bad),
         threads(),
     )
