@@ -147,3 +147,13 @@ def test_update_from_bags_skips_nonfinite_rows_like_the_two_kernels(name):
             # Applied: NaN rows compare equal only as NaN.
             torch.testing.assert_close(fused, apart, equal_nan=True, rtol=0, atol=0)
             assert bad is None and want is None
+
+
+def test_update_from_bags_refuses_mismatched_inputs():
+    opt = optimizers()["sgd"]
+    table, rows, _ = table_and_batch(opt, 7)
+    grad_rows, first_row, order, starts = bag_gradient(1, 8)
+    before = table.clone()
+    with pytest.raises(ValueError, match="starts"):
+        update_rows_from_bags_native(table, rows, grad_rows, first_row, order, starts[:-1], 1, opt.native_update(1), check=True)
+    assert torch.equal(table, before)

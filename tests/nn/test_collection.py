@@ -243,6 +243,64 @@ def test_one_id_per_bag_equals_single_tables(opt, shared_keys, pooling_path):
         assert col.stats()[name]["size"] == table.stats()["size"]
 
 
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+@pytest.mark.parametrize("case", ["clean", "nonfinite_skip", "nonfinite_apply", "failed_keys"])
+def test_update_summing_the_bags_equals_the_summed_gradient(opt, case, monkeypatch):
+    """The fused update that sums a bag collection's gradient in its own pass
+    (``BagGradients``, docs/design/0017) trains every table bitwise as the gradient summed first
+    does: non-finite gradients skipped or applied, and keys that found no slot (a full table of
+    the no_eviction strategy) left out."""
+    from dynemb.nn import collection as collection_module
+    from dynemb.nn import engine as engine_module
+    from dynemb.nn.units import dense_gradient
+
+    nonfinite = "apply" if case == "nonfinite_apply" else "skip"
+    small = case == "failed_keys"
+    tables = [
+        TableConfig(
+            name=n,
+            feature_names=[f"f{n}"],
+            embedding_dim=d,
+            capacity=24 if small else 512,
+            pooling="sum",
+            score_strategy="no_eviction" if small else "step",
+            nonfinite_grads=nonfinite,
+            check_mode="count",
+        )
+        for n, d in {"p": 16, "q": 32, "r": 16}.items()
+    ]
+    fused_calls = []
+    summing = engine_module.update_rows_from_bags_native
+    monkeypatch.setattr(engine_module, "update_rows_from_bags_native", lambda *a, **k: fused_calls.append(1) or summing(*a, **k))
+    group_gradient = collection_module.group_gradient
+
+    def train(dense: bool):
+        monkeypatch.setattr(collection_module, "group_gradient", (lambda *a: dense_gradient(group_gradient(*a))) if dense else group_gradient)
+        col = dynemb.DynamicEmbeddingBagCollection(tables, OPTIMIZERS[opt]())
+        gen = torch.Generator().manual_seed(21)
+        n = 32
+        for step in range(4):
+            ids = {t.name: torch.randint(0, 60, (n,), generator=gen) + 1000 * i for i, t in enumerate(tables)}
+            out = col({f"f{name}": (v, torch.ones(n, dtype=torch.int64)) for name, v in ids.items()})
+            w = torch.randn(out.concat.shape, generator=gen)
+            if case.startswith("nonfinite") and step == 1:
+                w[3, 2], w[7, 20] = float("nan"), float("inf")
+            (out.concat * w).sum().backward()
+        return col
+
+    fused, summed = train(dense=False), train(dense=True)
+    if fused._compiled_cpu():
+        assert fused_calls, "the fused update never ran"
+    if small:
+        assert sum(s["failed_inserts"] for s in fused.stats().values()) > 0
+    for t in tables:
+        keys = torch.arange(0, 4000)
+        got, want = (c.find(t.name, keys) for c in (fused, summed))
+        assert torch.equal(got[1], want[1])
+        assert torch.equal(got[0].view(torch.int32), want[0].view(torch.int32))
+        assert fused.stats()[t.name]["nonfinite_grads"] == summed.stats()[t.name]["nonfinite_grads"]
+
+
 def test_bag_gradient_through_one_feature_view(pooling_path):
     """A loss on one feature's view (an expanded, non-contiguous concat gradient elsewhere)."""
     col = dynemb.DynamicEmbeddingBagCollection(TABLES, OPTIMIZERS["sgd"]())

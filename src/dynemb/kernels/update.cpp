@@ -4,6 +4,7 @@
 // S state columns, width = D + S. The arithmetic follows dynemb/optim/optimizers.py op by op
 // in float32 (the row-wise mean's sum runs in a fixed order of its own, sum_of_squares, so it
 // may differ from torch's in the last bits).
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -153,7 +154,10 @@ extern "C" DYN_FLOAT_KERNEL int64_t dyn_rows_update_bags(
     int64_t nthreads) {
   const Step st = step_of(kind, lr_, weight_decay_, eps_, a_, b_, c_);
   int64_t n_bad = 0;
-#pragma omp parallel num_threads(threads(nthreads, N, 8192)) reduction(+ : n_bad)
+  // Threads by the ids to sum (as dyn_sum_bags) or by the rows to update (as dyn_rows_update),
+  // whichever gives more: a batch of few ids and many rows still updates on every thread.
+  const int nt = std::max(threads(nthreads, N, 8192), threads(nthreads, n, 256));
+#pragma omp parallel num_threads(nt) reduction(+ : n_bad)
   {
     std::vector<float> sum(D), g(D), out(width);
     // Dynamic chunks, as dyn_sum_bags: a hot key's row has many ids.

@@ -111,6 +111,11 @@ def update_rows_from_bags_native(
     """
     grad_rows, first_row, order, starts, rows = (t.contiguous() for t in (grad_rows, first_row, order, starts, rows))
     n, u = rows.numel(), grad_rows.shape[1]
+    if table.is_cuda or starts.numel() != n or first_row.numel() != order.numel():
+        raise ValueError(
+            f"update_rows_from_bags_native: a CPU table, one start per row and one first row per id "
+            f"(table on {table.device}, {n} rows, {starts.numel()} starts, {order.numel()} ids, {first_row.numel()} first rows)"
+        )
     bad = torch.empty(n, dtype=torch.bool) if check else None
     n_bad = library().dyn_rows_update_bags(
         ptr(table),

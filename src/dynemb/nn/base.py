@@ -142,7 +142,9 @@ class EngineContract(Protocol):
         version: int | None = None,
         nonfinite: NonFiniteGrads = NonFiniteGrads.SKIP,
     ) -> int:
-        """One fused optimizer step on the rows [U] of distinct keys [U] with gradients [U, D];
+        """One fused optimizer step on the rows [U] of distinct keys [U] with gradients [U, D]
+        (the local :class:`dynemb.nn.engine.Engine` also takes a bag collection's
+        :class:`dynemb.nn.units.BagGradients`, which every other engine is handed summed);
         returns the number of keys skipped for a non-finite gradient or update."""
 
     def apply_pending(

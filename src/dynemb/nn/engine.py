@@ -352,7 +352,8 @@ class Engine:
             rows (Tensor[int64]): [U] their row ids when ``data`` was read; -1 rows are skipped.
             grads (Tensor | BagGradients): [U, D] gradient summed per key, or a bag
                 collection's gradient to sum (in the update's own pass where the compiled
-                kernel updates the rows in place and no key is dropped, else summed first).
+                kernel updates the rows in place, no key failed and the table is unchanged
+                since the lookup; else summed first).
             segments (Tensor[int64] | None): [U] the table of each key (None: table 0).
             data (Tensor | None): [U, D+S] the rows as read at ``version`` (saves a gather).
             version: the engine version when ``rows`` / ``data`` were read; if the table changed

@@ -109,13 +109,14 @@ def sum_per_key(
     return workspace.get(name, U, (grad.shape[1],), grad.dtype).zero_().index_add_(0, inverse, grad)
 
 
-def native_update_spec(native: bool, optimizer: RowOptimizer, store: RowStore, grads: torch.Tensor, steps: set[int], policy: NonFiniteGrads) -> dict | None:
+def native_update_spec(native: bool, optimizer: RowOptimizer, store: RowStore, grads, steps: set[int], policy: NonFiniteGrads) -> dict | None:
     """The compiled update kernel's step when it can update this batch's rows in the store in
     place (:func:`dynemb.kernels.update.update_rows_native`), else None (then the rows are
     gathered, updated by :func:`update_by_step` and written back): a native table whose rows
     are one float32 tensor (no tiers, no cache), one step count, an optimizer the kernel knows,
     and nonfinite_grads ``skip`` or ``apply`` (``raise`` checks every row before writing any,
-    which the one-pass kernel does not)."""
+    which the one-pass kernel does not). Only ``grads.dtype`` is read (a tensor [U, D] or a
+    :class:`dynemb.nn.units.BagGradients`)."""
     if not native or len(steps) != 1 or policy is NonFiniteGrads.RAISE or type(store) is not DeviceRowStore:
         return None
     if store.data.dtype != torch.float32 or grads.dtype != torch.float32 or not store.data.is_contiguous():

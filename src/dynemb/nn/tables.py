@@ -297,8 +297,9 @@ class DynamicTables(torch.nn.Module):
             if grad_u is None:
                 # Into a buffer kept between steps, consumed before the lock is released.
                 grad_u = sum_per_key(grad, inverse, lookup.grouping, self._workspace, f"grad{lookup.group}", lookup.keys.numel())
-            if self._pending is not None or not isinstance(engine, Engine):
-                # Only a local engine's update sums a bag collection's gradient itself.
+            if self._pending is not None or type(engine) is not Engine:
+                # Only a local engine's update sums a bag collection's gradient itself (a
+                # sharded engine, or any other, is handed a tensor).
                 grad_u = dense_gradient(grad_u)
             if self._pending is not None:
                 keys, segs = lookup.keys, lookup.segments
