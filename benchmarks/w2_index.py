@@ -18,10 +18,12 @@ at least FIRST_EVICTION_MIN. Filling goes on past the capacity (load 1.0, evicti
 of this fill, and every timed find_or_insert and erase, is checked against a set of the keys the
 index should hold: keys before + new keys = keys after + evicted + failed, and each key that
 left is reported; at loads 0.5, 0.9, 0.95 and 1.0 the index's keys must equal that set. The
-timed calls are checked once a repeat's calls are timed, from the sizes and results recorded
-around each: the set holds millions of Python ints, and walking it between timed calls evicted
-the index's lines from the caches, so that find_or_insert and insert ran cold while find (no
-check) ran warm (perf-log 2026-11-26, fourth session).
+timed calls are checked once a repeat's calls are timed, from the sizes and reported keys
+(evicted, failed) recorded around each: the set holds millions of Python ints, and walking it
+between timed calls evicted the index's lines from the caches, so that find_or_insert and
+insert ran cold while find (no check) ran warm (perf-log 2026-11-26, fourth session). Only the
+reported keys are kept, not the calls' whole results, which are freed as a step frees them
+(perf-log 2026-11-27, thirteenth session).
 
 References, measured in the same repeat on the same queries:
 * ``dict``: a Python dict key -> row id holding the same P keys, called as a user with tensors
