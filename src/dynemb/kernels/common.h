@@ -281,6 +281,28 @@ inline void radix_sort_bits(uint64_t* v, uint64_t* buffer, int64_t n, uint64_t b
   if (src != v) std::copy(src, src + n, v);
 }
 
+// A bag collection's backward, one unique row's gradient: the D floats at each of its ids' first
+// unit row of the concat gradient ``grad`` (``unit`` floats a unit row), its ids
+// ``order[begin, end)`` added in that order into ``sum`` from zero (embedding_bag's order; N
+// ids in all, for the prefetch). pool.cpp's dyn_sum_bags and update.cpp's dyn_rows_update_bags
+// both sum through it: the same floats in the same order. Inlined into each clone of a kernel.
+// Ids whose gradient slices (every line of them) are requested ahead of the one being added.
+constexpr int64_t SUM_AHEAD = 16;
+
+inline __attribute__((always_inline)) void sum_slices(float* sum, const float* grad, int64_t unit, const int64_t* first_row, const int64_t* order,
+                                                      int64_t begin, int64_t end, int64_t N, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) sum[d] = 0.0f;
+  for (int64_t t = begin; t < end; ++t) {
+    // The slices of the ids a few places on (the next rows' when this one ends).
+    if (t + SUM_AHEAD < N) {
+      const char* next = reinterpret_cast<const char*>(grad + first_row[order[t + SUM_AHEAD]] * unit);
+      for (int64_t off = 0; off < D * 4; off += 64) __builtin_prefetch(next + off);
+    }
+    const float* src = grad + first_row[order[t]] * unit;
+    for (int64_t d = 0; d < D; ++d) sum[d] += src[d];
+  }
+}
+
 // The k-th of the n row ids one FreeList.allocate(n) hands out, from the free list's reusable
 // ids ``free_ids[0, top)`` and its first never-used id ``high_water``: the last ``reused`` =
 // min(n, top) reusable ids in order, then fresh ones. The caller then takes ``reused`` off ``top``

@@ -8,8 +8,6 @@
 using namespace dynemb;
 
 static constexpr int64_t AHEAD = 4;
-// Ids whose gradient slices (every line of them) are requested ahead of the one being added.
-static constexpr int64_t SUM_AHEAD = 16;
 
 // memcpy with the usual row sizes known at compile time (inlined moves instead of a libc call
 // per row: ~100k rows a W3 batch).
@@ -62,19 +60,6 @@ extern "C" DYN_FLOAT_KERNEL int64_t dyn_sum_bags(
     int64_t nthreads) {
   // Dynamic chunks: a hot key's row has many ids. Each row is summed by one thread, in order.
 #pragma omp parallel for schedule(dynamic, 256) num_threads(threads(nthreads, N, 8192))
-  for (int64_t i = 0; i < U; ++i) {
-    float* o = out + i * D;
-    for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
-    const int64_t end = i + 1 < U ? starts[i + 1] : N;
-    for (int64_t t = starts[i]; t < end; ++t) {
-      // The slices of the ids a few places on (the next rows' when this one ends).
-      if (t + SUM_AHEAD < N) {
-        const char* next = reinterpret_cast<const char*>(grad + first_row[order[t + SUM_AHEAD]] * unit);
-        for (int64_t off = 0; off < D * 4; off += 64) __builtin_prefetch(next + off);
-      }
-      const float* src = grad + first_row[order[t]] * unit;
-      for (int64_t d = 0; d < D; ++d) o[d] += src[d];
-    }
-  }
+  for (int64_t i = 0; i < U; ++i) sum_slices(out + i * D, grad, unit, first_row, order, starts[i], i + 1 < U ? starts[i + 1] : N, N, D);
   return 0;
 }

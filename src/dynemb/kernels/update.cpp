@@ -134,10 +134,8 @@ extern "C" DYN_FLOAT_KERNEL int64_t dyn_rows_update(
 }
 
 // dyn_rows_update with each row's gradient summed from a bag collection's concat gradient as
-// pool.cpp's dyn_sum_bags sums it (the same floats added in the same order), in the same pass:
-// no [U, D] gradient is written and read back (docs/design/0017). Bitwise dyn_sum_bags, then
-// dyn_rows_update.
-static constexpr int64_t SUM_AHEAD = 16;
+// pool.cpp's dyn_sum_bags sums it (common.h's sum_slices), in the same pass: no [U, D] gradient
+// is written and read back (docs/design/0017). Bitwise dyn_sum_bags, then dyn_rows_update.
 
 extern "C" DYN_FLOAT_KERNEL int64_t dyn_rows_update_bags(
     float* table,              // [R, width] the store's rows
@@ -168,18 +166,8 @@ extern "C" DYN_FLOAT_KERNEL int64_t dyn_rows_update_bags(
         const char* next = reinterpret_cast<const char*>(table + rows[u + AHEAD] * width);
         for (int64_t off = 0; off < width * 4; off += 64) __builtin_prefetch(next + off, 1);
       }
-      float* row = table + rows[u] * width;
-      for (int64_t d = 0; d < D; ++d) sum[d] = 0.0f;
-      const int64_t end = u + 1 < n ? starts[u + 1] : N;
-      for (int64_t t = starts[u]; t < end; ++t) {
-        if (t + SUM_AHEAD < N) {
-          const char* next = reinterpret_cast<const char*>(grad + first_row[order[t + SUM_AHEAD]] * unit);
-          for (int64_t off = 0; off < D * 4; off += 64) __builtin_prefetch(next + off);
-        }
-        const float* src = grad + first_row[order[t]] * unit;
-        for (int64_t d = 0; d < D; ++d) sum[d] += src[d];
-      }
-      const bool ok = step_row(row, sum.data(), g.data(), out.data(), D, width, st, bad != nullptr);
+      sum_slices(sum.data(), grad, unit, first_row, order, starts[u], u + 1 < n ? starts[u + 1] : N, N, D);
+      const bool ok = step_row(table + rows[u] * width, sum.data(), g.data(), out.data(), D, width, st, bad != nullptr);
       if (bad) {
         bad[u] = !ok;
         n_bad += !ok;
