@@ -280,7 +280,7 @@ class BatchPlacement:
         given up for the call)."""
         free = self.free_list
         per_segment = None if new_seg is None else torch.zeros(self.num_segments, dtype=torch.int64)
-        code, pending, gave_up, allocations, placed = place_rest_native(
+        code, pending, gave_up, allocations, _ = place_rest_native(
             self._keys,
             self._tags,
             self._rows,
@@ -301,11 +301,8 @@ class BatchPlacement:
             free.high_water,
             per_segment,
         )
-        # The free list hands out what the kernel took: one allocation a round, as _place_free's.
-        for n in allocations:
-            free.allocate(n, borrow=True)
-        self._size += placed
-        self._count("inserts", n=placed, per_segment=per_segment)
+        # Each allocation is one placement round's keys: their sum is the keys placed.
+        self._commit_rounds(allocations, per_segment)
         if code < 0:
             raise RuntimeError("rest kernel: an output bound was exceeded (a bug; the keys placed before it are counted)")
         return code == 1, pending, gave_up
@@ -487,13 +484,18 @@ class BatchPlacement:
         if got is None:
             return None
         rounds, left = got
-        # The free list hands out what the kernel took: one allocation a round, as _place_free's.
+        self._commit_rounds(rounds, per_segment)
+        return left
+
+    def _commit_rounds(self, rounds: list[int], per_segment: torch.Tensor | None) -> None:
+        """After a compiled placement that handed out row ids itself: the free list hands out
+        what it took (one allocation a round, in turn, as :meth:`_place_free`'s), and the size
+        and insert counters (``per_segment``: [S], the kernel's count per segment, or None) follow."""
         for n in rounds:
-            free.allocate(n, borrow=True)
+            self.free_list.allocate(n, borrow=True)
         placed = sum(rounds)
         self._size += placed
         self._count("inserts", n=placed, per_segment=per_segment)
-        return left
 
     def _place_free_native(
         self,
