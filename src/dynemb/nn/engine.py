@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from dynemb.config import TableConfig
-from dynemb.kernels.update import update_rows_from_bags_native, update_rows_native
+from dynemb.kernels.update import update_rows_native
 from dynemb.nn.base import Resolved
 from dynemb.nn.changes import ChangeLog
 from dynemb.nn.functional import init_rows_in_place, leaving_contents, native_update_spec, screen_update, update_by_step, with_initial_state
@@ -393,8 +393,7 @@ class Engine:
             check = nonfinite is NonFiniteGrads.SKIP
             if spec is not None and isinstance(grads, BagGradients):
                 # The compiled kernel sums each row's gradient from the bags in the same pass.
-                g = grads
-                bad = update_rows_from_bags_native(self.store.data, rows, g.grad_rows, g.first_row, g.order, g.starts, g.k, spec, check=check)
+                bad = grads.update_rows(self.store.data, rows, spec, check=check)
             elif spec is not None:
                 # The compiled kernel: one pass over the rows in the store, non-finite rows kept.
                 bad = update_rows_native(self.store.data, rows, grads, spec, check=check)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from dynemb.kernels.pool import copy_bags_native, sum_bags_native, sum_bags_torch
+from dynemb.kernels.update import update_rows_from_bags_native
 from dynemb.workspace import Recycler
 
 # Narrowest unit (elements) used, and most units per feature on average: narrower units make
@@ -243,6 +244,12 @@ class BagGradients:
     def dense(self) -> torch.Tensor:
         """The gradient [U_g, D_g] (:func:`dynemb.kernels.pool.sum_bags_native`)."""
         return sum_bags_native(self.grad_rows, self.first_row, self.order, self.starts, self.num_unique, self.k)
+
+    def update_rows(self, table: torch.Tensor, rows: torch.Tensor, spec: dict, *, check: bool) -> torch.Tensor | None:
+        """The optimizer step ``spec`` on the rows [U_g] of ``table`` with this gradient, summed
+        in the same pass (:func:`dynemb.kernels.update.update_rows_from_bags_native`, the same
+        arguments and result as :func:`dynemb.kernels.update.update_rows_native`)."""
+        return update_rows_from_bags_native(table, rows, self.grad_rows, self.first_row, self.order, self.starts, self.k, spec, check=check)
 
 
 def dense_gradient(grads: torch.Tensor | BagGradients) -> torch.Tensor:
