@@ -193,6 +193,8 @@ extern "C" int64_t dyn_insert_new(
           __builtin_prefetch(missing + ahead);
           __builtin_prefetch(info + ahead);
         }
+        // The key of an entry half as far ahead, once its place has arrived.
+        if (e + AHEAD / 2 < ehi) __builtin_prefetch(keys + missing[order[e + AHEAD / 2] & ITEM_MASK]);
         const int64_t t = static_cast<int64_t>(order[e] & ITEM_MASK);
         eplace[e] = missing[t];
         ekey[e] = keys[eplace[e]];
@@ -228,6 +230,9 @@ extern "C" int64_t dyn_insert_new(
           const int64_t ahead = bucket_of_entry(order[g + AHEAD]) * W, likely = ahead + (einfo[g + AHEAD] >> 32);
           __builtin_prefetch(tags + ahead, 1);
           __builtin_prefetch(slot_keys.at(likely), 1);
+          // The result's entries it writes (at random places of the call).
+          __builtin_prefetch(pos + eplace[g + AHEAD], 1);
+          __builtin_prefetch(rows + eplace[g + AHEAD], 1);
           if (!packed) {
             __builtin_prefetch(slot_scores.at(likely), 1);
             __builtin_prefetch(slot_rows.at(likely), 1);
