@@ -2,20 +2,17 @@
 index's slots and rows and for the initial rows, assert_close for the optimizer steps.
 
 On a GPU they run compiled on CUDA tensors; elsewhere under Triton's interpreter
-(TRITON_INTERPRET=1) on CPU tensors: the same kernel source, so CI checks their logic on
-every run and the GPU session checks the compiled code.
+(TRITON_INTERPRET=1, set by tests/conftest.py before Triton is first imported) on CPU
+tensors: the same kernel source, so CI checks their logic on every run and the GPU session
+checks the compiled code.
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
 CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from test_update_parity import optimizers  # noqa: E402
 
