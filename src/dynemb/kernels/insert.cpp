@@ -27,6 +27,8 @@ static constexpr int64_t SHORT_RUN = 32;
 // Bits of an entry of the sort array below its bucket: the item.
 static constexpr int ITEM_BITS = 32;
 static constexpr uint64_t ITEM_MASK = (uint64_t(1) << ITEM_BITS) - 1;
+// int64 entries of scratch per missing place (insert.py's SCRATCH_PER_KEY).
+static constexpr int64_t SCRATCH_PER_KEY = 12;
 
 // Returns the number of places left without a slot (0: every new key placed), or -1 when the
 // scratch is too small or m too large. ``rounds`` gets the slots each round took (the free
@@ -60,21 +62,28 @@ extern "C" int64_t dyn_insert_new(
                                  // segment's placed keys are added
     int64_t* left_out,           // [m] out or null: the places left without a slot, in
                                  // ``missing``'s order (the first n of them, n returned)
-    int64_t* scratch,            // [8m] the caller's reused buffer
+    int64_t* scratch,            // [SCRATCH_PER_KEY * m] the caller's reused buffer
     int64_t cap,                 // its size
     int64_t nthreads) {
   for (int r = 0; r < MAX_ROUNDS; ++r) rounds[r] = 0;
   if (m == 0) return 0;
-  if (cap < 8 * m || m > static_cast<int64_t>(ITEM_MASK) || total_buckets >= (int64_t(1) << (64 - ITEM_BITS - 1))) return -1;
-  // Per item t (the place missing[t]): as the round starts, the free slots of the bucket it
-  // tries and the first of them (``info``: count | first << 32). ``todo``: the items of a round
-  // after the first (the first takes every item, in order).
-  int64_t *info = scratch, *todo = info + m;
-  // Per entry of the round's ``order`` (the items that try a bucket, by bucket, then key): the
-  // key, its place, its info, the slot it got (-1: none).
-  uint64_t* order = reinterpret_cast<uint64_t*>(todo + m);
+  if (cap < SCRATCH_PER_KEY * m || m > static_cast<int64_t>(ITEM_MASK) || total_buckets >= (int64_t(1) << (64 - ITEM_BITS - 1))) return -1;
+  // A round's items are numbered k = 0, 1, ... (in the first round k is the item t, the place
+  // missing[t]). Per k: as the round starts, the free slots of the bucket it tries and the first
+  // of them (``info``: count | first << 32); in a round after the first, its item (``item``),
+  // key and place (``tkey``, ``tplace``), carried from the round before in its order, so that
+  // no round reads ``missing`` or ``keys`` at random (perf-log, fifteenth session).
+  int64_t *info = scratch, *item = info + m;
+  // Per entry of the round's ``order`` (the k that try a bucket, by bucket, then key): the key,
+  // its place, its info, the slot it got (-1: none).
+  uint64_t* order = reinterpret_cast<uint64_t*>(item + m);
   uint64_t* sort_buffer = order + m;
   int64_t *ekey = reinterpret_cast<int64_t*>(sort_buffer + m), *eplace = ekey + m, *einfo = eplace + m, *eslot = einfo + m;
+  int64_t *tkey = eslot + m, *tplace = tkey + m, *next_item = tplace + m;
+  // The items that tried no bucket in a round: both candidates were full, as they stay for
+  // every later round (placing only takes slots), so they wait no more rounds.
+  int64_t* dead = next_item + m;
+  int64_t n_dead = 0;
   const KeyCol slot_keys(table_keys, key_step);
   const IntCol slot_scores(table_scores, score_bytes, score_step);
   const IntCol slot_rows(table_rows, row_bytes, row_step);
@@ -138,32 +147,36 @@ extern "C" int64_t dyn_insert_new(
     {
       const int a = omp_get_thread_num();
       const int64_t chunk = (n_todo + rt - 1) / rt, lo = a * chunk, hi = lo + chunk < n_todo ? lo + chunk : n_todo;
+      // This share's entries per range, counted on the thread's own stack: the shared table's
+      // rows of two threads may share a cache line, which a count per item would bounce.
+      int64_t mine[MAX_THREADS + 1] = {};
       // (A) The bucket each item of this thread's share tries, from both candidates' free slots
       // as the round starts (in the first round as the probe read them).
       for (int64_t k = lo; k < hi; ++k) {
-        const int64_t t = round_no == 0 ? k : todo[k];
+        const int64_t place = round_no == 0 ? missing[k] : tplace[k];
         int64_t b1, b2;
-        cand.of(keys[missing[t]], missing[t], &b1, &b2);
+        cand.of(round_no == 0 ? keys[place] : tkey[k], place, &b1, &b2);
         if (!given && k + AHEAD < hi) {
           int64_t a1, a2;
-          const int64_t ahead = round_no == 0 ? k + AHEAD : todo[k + AHEAD];
-          cand.of(keys[missing[ahead]], missing[ahead], &a1, &a2);
+          const int64_t ahead = round_no == 0 ? missing[k + AHEAD] : tplace[k + AHEAD];
+          cand.of(round_no == 0 ? keys[ahead] : tkey[k + AHEAD], ahead, &a1, &a2);
           __builtin_prefetch(tags + a1 * W);
           __builtin_prefetch(tags + a2 * W);
         }
-        const int64_t seen = given ? pre_free[missing[t]] : 0;
+        const int64_t seen = given ? pre_free[place] : 0;
         const FreeSlots s1 = given ? unpack_free(seen, 0) : free_slots(tags, b1, W);
         const FreeSlots s2 = given ? unpack_free(seen, 1) : free_slots(tags, b2, W);
-        uint64_t entry = NONE | static_cast<uint64_t>(t);
+        uint64_t entry = NONE | static_cast<uint64_t>(k);
         if (s1.count || s2.count) {
           const bool take_second = tries_second(s1.count, s2.count, b1, b2, other);
           const FreeSlots& s = take_second ? s2 : s1;
-          entry = static_cast<uint64_t>(take_second ? b2 : b1) << ITEM_BITS | static_cast<uint64_t>(t);
-          info[t] = s.count | (s.first >= 0 ? s.first : 0) << 32;
+          entry = static_cast<uint64_t>(take_second ? b2 : b1) << ITEM_BITS | static_cast<uint64_t>(k);
+          info[k] = s.count | (s.first >= 0 ? s.first : 0) << 32;
         }
         sort_buffer[k] = entry;
-        ++count[a][range_of(entry)];
+        ++mine[range_of(entry)];
       }
+      for (int r = 0; r <= rt; ++r) count[a][r] = mine[r];
 #pragma omp barrier
 #pragma omp single
       {
@@ -179,7 +192,8 @@ extern "C" int64_t dyn_insert_new(
         }
         start[rt + 1] = at;
       }
-      for (int64_t k = lo; k < hi; ++k) order[count[a][range_of(sort_buffer[k])]++] = sort_buffer[k];
+      for (int r = 0; r <= rt; ++r) mine[r] = count[a][r];
+      for (int64_t k = lo; k < hi; ++k) order[mine[range_of(sort_buffer[k])]++] = sort_buffer[k];
 #pragma omp barrier
       // (B) Thread r's range by bucket, by key within a bucket (repeats side by side), with each
       // entry's key, place and free slots beside it.
@@ -187,26 +201,11 @@ extern "C" int64_t dyn_insert_new(
       const int64_t elo = start[r], ehi = start[r + 1];
       // By bucket: the bits above the item's (radix_sort_bits, stable).
       radix_sort_bits(order + elo, sort_buffer + elo, ehi - elo, 0, ITEM_BITS, static_cast<uint64_t>(total_buckets - 1));
-      for (int64_t e = elo; e < ehi; ++e) {
-        if (e + AHEAD < ehi) {
-          const int64_t ahead = static_cast<int64_t>(order[e + AHEAD] & ITEM_MASK);
-          __builtin_prefetch(missing + ahead);
-          __builtin_prefetch(info + ahead);
-        }
-        // The key of an entry half as far ahead, once its place has arrived.
-        if (e + AHEAD / 2 < ehi) __builtin_prefetch(keys + missing[order[e + AHEAD / 2] & ITEM_MASK]);
-        const int64_t t = static_cast<int64_t>(order[e] & ITEM_MASK);
-        eplace[e] = missing[t];
-        ekey[e] = keys[eplace[e]];
-        einfo[e] = info[t];
-      }
-      // Each bucket's keys in key order, and how many the range places: each bucket's distinct
-      // keys, up to the round's limit (under the limit a bucket has a free slot for each: the
-      // limit is at most its free slots).
-      int64_t placed = 0;
-      for (int64_t g = elo; g < ehi;) {
-        int64_t e = g + 1;
-        while (e < ehi && bucket_of_entry(order[e]) == bucket_of_entry(order[g])) ++e;
+      // Each bucket's keys in key order as its last entry arrives, and how many the range
+      // places: each bucket's distinct keys, up to the round's limit (under the limit a bucket
+      // has a free slot for each: the limit is at most its free slots).
+      int64_t placed = 0, g = elo;
+      auto close_bucket = [&](int64_t e) {  // entries [g, e) are one bucket's
         if (e - g > 1) sort_run(g, e);
         int64_t distinct = 1;
         for (int64_t q = g + 1; q < e; ++q) distinct += ekey[q] != ekey[q - 1];
@@ -214,6 +213,37 @@ extern "C" int64_t dyn_insert_new(
         const int64_t limit = halve ? (free_at_start + 1) / 2 : free_at_start;
         placed += distinct < limit ? distinct : limit;
         g = e;
+      };
+      auto bucket_ends = [&](int64_t e) { return e + 1 == ehi || bucket_of_entry(order[e + 1]) != bucket_of_entry(order[e]); };
+      if (round_no == 0) {
+        for (int64_t e = elo; e < ehi; ++e) {
+          if (e + AHEAD < ehi) {
+            const int64_t ahead = static_cast<int64_t>(order[e + AHEAD] & ITEM_MASK);
+            __builtin_prefetch(missing + ahead);
+            __builtin_prefetch(info + ahead);
+          }
+          // The key of an entry half as far ahead, once its place has arrived.
+          if (e + AHEAD / 2 < ehi) __builtin_prefetch(keys + missing[order[e + AHEAD / 2] & ITEM_MASK]);
+          const int64_t k = static_cast<int64_t>(order[e] & ITEM_MASK);
+          eplace[e] = missing[k];
+          ekey[e] = keys[eplace[e]];
+          einfo[e] = info[k];
+          if (bucket_ends(e)) close_bucket(e + 1);
+        }
+      } else {
+        for (int64_t e = elo; e < ehi; ++e) {
+          if (e + AHEAD < ehi) {
+            const int64_t ahead = static_cast<int64_t>(order[e + AHEAD] & ITEM_MASK);
+            __builtin_prefetch(tplace + ahead);
+            __builtin_prefetch(tkey + ahead);
+            __builtin_prefetch(info + ahead);
+          }
+          const int64_t k = static_cast<int64_t>(order[e] & ITEM_MASK);
+          eplace[e] = tplace[k];
+          ekey[e] = tkey[k];
+          einfo[e] = info[k];
+          if (bucket_ends(e)) close_bucket(e + 1);
+        }
       }
       placed_in[r + 1] = placed;
 #pragma omp barrier
@@ -271,11 +301,22 @@ extern "C" int64_t dyn_insert_new(
     top -= reused;
     high_water += taken - reused;
     rounds[round_no++] = taken;
-    // The items left: those that tried no bucket, then those that got no slot.
+    // The items left: those that tried no bucket wait no more; those that got no slot go on,
+    // each with its key and place.
+    auto item_of = [&](uint64_t entry) -> int64_t {
+      const int64_t k = static_cast<int64_t>(entry & ITEM_MASK);
+      return round_no == 1 ? k : item[k];  // round_no was advanced above
+    };
+    for (int64_t e = start[rt]; e < start[rt + 1]; ++e) dead[n_dead++] = item_of(order[e]);
     int64_t kept = 0;
-    for (int64_t e = start[rt]; e < start[rt + 1]; ++e) todo[kept++] = static_cast<int64_t>(order[e] & ITEM_MASK);
-    for (int64_t e = 0; e < start[rt]; ++e)
-      if (eslot[e] < 0) todo[kept++] = static_cast<int64_t>(order[e] & ITEM_MASK);
+    for (int64_t e = 0; e < start[rt]; ++e) {
+      if (eslot[e] >= 0) continue;
+      next_item[kept] = item_of(order[e]);
+      tkey[kept] = ekey[e];
+      tplace[kept] = eplace[e];
+      ++kept;
+    }
+    std::swap(item, next_item);
     n_todo = kept;
     return taken;
   };
@@ -285,10 +326,12 @@ extern "C" int64_t dyn_insert_new(
   if (seg && seg_placed)
     for (int64_t t = 0; t < m; ++t)
       if (pos[missing[t]] >= 0) ++seg_placed[seg[missing[t]]];
-  // The items the last round left (``todo``, after the first round too), in missing's order.
-  if (left_out && n_todo) {
-    std::sort(todo, todo + n_todo);
-    for (int64_t k = 0; k < n_todo; ++k) left_out[k] = missing[todo[k]];
+  // The items left (those of no round, then those the last round left), in missing's order.
+  const int64_t n_left = n_dead + n_todo;
+  if (left_out && n_left) {
+    std::copy(item, item + n_todo, dead + n_dead);
+    std::sort(dead, dead + n_left);
+    for (int64_t k = 0; k < n_left; ++k) left_out[k] = missing[dead[k]];
   }
-  return n_todo;
+  return n_left;
 }

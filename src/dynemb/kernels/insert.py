@@ -17,6 +17,9 @@ import torch
 from dynemb.kernels import library, ptr, slot_args, slot_step, threads
 from dynemb.kernels.place import MAX_ROUNDS
 
+# int64 scratch entries per missing place (insert.cpp's SCRATCH_PER_KEY).
+SCRATCH_PER_KEY = 12
+
 
 def insert_new_native(
     table_keys: torch.Tensor,
@@ -62,7 +65,7 @@ def insert_new_native(
     m = missing.numel()
     rounds = torch.zeros(MAX_ROUNDS, dtype=torch.int64)
     left_places = workspace.get("insert_new.left", m, (), torch.int64)
-    cap = 8 * m
+    cap = SCRATCH_PER_KEY * m
     left = library().dyn_insert_new(
         *slot_args(table_keys, tags, table_scores),
         ptr(table_rows),
