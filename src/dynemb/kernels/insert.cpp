@@ -30,6 +30,71 @@ static constexpr uint64_t ITEM_MASK = (uint64_t(1) << ITEM_BITS) - 1;
 // int64 entries of scratch per missing place (insert.py's SCRATCH_PER_KEY).
 static constexpr int64_t SCRATCH_PER_KEY = 12;
 
+namespace {
+
+constexpr uint64_t NONE = ~uint64_t(0) << ITEM_BITS;  // the bucket part of an item that tries none
+
+// What phase (A) of a round reads and writes (see there), as plain pointers: a loop over them
+// keeps them in registers, where the round's lambda reloaded each through its captures.
+struct Share {
+  const int64_t* keys;
+  const int64_t* missing;
+  const int64_t* tkey;
+  const int64_t* tplace;
+  const int64_t* pre_free;
+  const uint8_t* tags;
+  int64_t W;
+  const Candidates* cand;
+  bool other;
+  uint64_t span;  // ranges: (bucket * span) >> 32
+  int rt;         // ranges of buckets (range rt: the items that try none)
+  int64_t* info;
+  uint64_t* sort_buffer;
+  int64_t* mine;  // [rt + 1] entries per range, added to
+};
+
+// Phase (A) for the round's items [lo, hi): the bucket each tries, from both candidates' free
+// slots as the round starts, with the chosen bucket's free slots and first free slot (``info``)
+// and the item's entry (bucket << ITEM_BITS | item, NONE where both are full). FIRST: the first
+// round (item k is the place missing[k]; else tkey / tplace hold the round's items); GIVEN: the
+// free slots as the probe read them (the first round only).
+template <bool FIRST, bool GIVEN>
+void choose(const Share& sh, int64_t lo, int64_t hi) {
+  const int64_t W = sh.W;
+  const uint8_t* tags = sh.tags;
+  int64_t per_range[MAX_THREADS + 1] = {};
+  for (int64_t k = lo; k < hi; ++k) {
+    const int64_t place = FIRST ? sh.missing[k] : sh.tplace[k];
+    int64_t b1, b2;
+    sh.cand->of(FIRST ? sh.keys[place] : sh.tkey[k], place, &b1, &b2);
+    if (!GIVEN && k + AHEAD < hi) {
+      int64_t a1, a2;
+      const int64_t ahead = FIRST ? sh.missing[k + AHEAD] : sh.tplace[k + AHEAD];
+      sh.cand->of(FIRST ? sh.keys[ahead] : sh.tkey[k + AHEAD], ahead, &a1, &a2);
+      __builtin_prefetch(tags + a1 * W);
+      __builtin_prefetch(tags + a2 * W);
+    }
+    const int64_t seen = GIVEN ? sh.pre_free[place] : 0;
+    const FreeSlots s1 = GIVEN ? unpack_free(seen, 0) : free_slots(tags, b1, W);
+    const FreeSlots s2 = GIVEN ? unpack_free(seen, 1) : free_slots(tags, b2, W);
+    uint64_t entry = NONE | static_cast<uint64_t>(k);
+    int range = sh.rt;
+    if (s1.count || s2.count) {
+      const bool take_second = tries_second(s1.count, s2.count, b1, b2, sh.other);
+      const FreeSlots& s = take_second ? s2 : s1;
+      const uint64_t bucket = static_cast<uint64_t>(take_second ? b2 : b1);
+      entry = bucket << ITEM_BITS | static_cast<uint64_t>(k);
+      sh.info[k] = s.count | (s.first >= 0 ? s.first : 0) << 32;
+      range = static_cast<int>((bucket * sh.span) >> 32);
+    }
+    sh.sort_buffer[k] = entry;
+    ++per_range[range];
+  }
+  for (int r = 0; r <= sh.rt; ++r) sh.mine[r] += per_range[r];
+}
+
+}  // namespace
+
 // Returns the number of places left without a slot (0: every new key placed), or -1 when the
 // scratch is too small or m too large. ``rounds`` gets the slots each round took (the free
 // list's allocations to commit, in turn).
@@ -91,7 +156,6 @@ extern "C" int64_t dyn_insert_new(
   const Candidates cand{seg, seg_counts, seg_offsets, total_buckets};
   int nt = threads(nthreads, m, 2048);
   if (nt > MAX_THREADS) nt = MAX_THREADS;
-  constexpr uint64_t NONE = ~uint64_t(0) << ITEM_BITS;  // the bucket part of an item that tries none
   auto bucket_of_entry = [](uint64_t entry) -> int64_t { return static_cast<int64_t>(entry >> ITEM_BITS); };
   int64_t n_todo = m;
   int round_no = 0;
@@ -152,30 +216,13 @@ extern "C" int64_t dyn_insert_new(
       int64_t mine[MAX_THREADS + 1] = {};
       // (A) The bucket each item of this thread's share tries, from both candidates' free slots
       // as the round starts (in the first round as the probe read them).
-      for (int64_t k = lo; k < hi; ++k) {
-        const int64_t place = round_no == 0 ? missing[k] : tplace[k];
-        int64_t b1, b2;
-        cand.of(round_no == 0 ? keys[place] : tkey[k], place, &b1, &b2);
-        if (!given && k + AHEAD < hi) {
-          int64_t a1, a2;
-          const int64_t ahead = round_no == 0 ? missing[k + AHEAD] : tplace[k + AHEAD];
-          cand.of(round_no == 0 ? keys[ahead] : tkey[k + AHEAD], ahead, &a1, &a2);
-          __builtin_prefetch(tags + a1 * W);
-          __builtin_prefetch(tags + a2 * W);
-        }
-        const int64_t seen = given ? pre_free[place] : 0;
-        const FreeSlots s1 = given ? unpack_free(seen, 0) : free_slots(tags, b1, W);
-        const FreeSlots s2 = given ? unpack_free(seen, 1) : free_slots(tags, b2, W);
-        uint64_t entry = NONE | static_cast<uint64_t>(k);
-        if (s1.count || s2.count) {
-          const bool take_second = tries_second(s1.count, s2.count, b1, b2, other);
-          const FreeSlots& s = take_second ? s2 : s1;
-          entry = static_cast<uint64_t>(take_second ? b2 : b1) << ITEM_BITS | static_cast<uint64_t>(k);
-          info[k] = s.count | (s.first >= 0 ? s.first : 0) << 32;
-        }
-        sort_buffer[k] = entry;
-        ++mine[range_of(entry)];
-      }
+      const Share share{keys, missing, tkey, tplace, pre_free, tags, W, &cand, other, span, rt, info, sort_buffer, mine};
+      if (round_no > 0)
+        choose<false, false>(share, lo, hi);
+      else if (given)
+        choose<true, true>(share, lo, hi);
+      else
+        choose<true, false>(share, lo, hi);
       for (int r = 0; r <= rt; ++r) count[a][r] = mine[r];
 #pragma omp barrier
 #pragma omp single
