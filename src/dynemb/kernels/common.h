@@ -163,21 +163,10 @@ inline FreeSlots free_slots_at(const uint8_t* t, int64_t W) {
 
 inline FreeSlots free_slots(const uint8_t* tags, int64_t bucket, int64_t W) { return free_slots_at(tags + bucket * W, W); }
 
-// Both candidates' FreeSlots of a key packed in one int64 (16 bits each: the counts, then the
-// first free slots + 1), for buckets of at most PACKED_FREE_MAX_W slots: what the upsert's probe
-// saw, handed to the first placement round so that it need not read the tag lines again.
+// The widest bucket whose free slots and first free slot pack_choice (below) can hold: what
+// the upsert's probe saw, handed to the first placement round so that it need not read the tag
+// lines again.
 constexpr int64_t PACKED_FREE_MAX_W = 65534;
-
-inline int64_t pack_free(FreeSlots a, FreeSlots b) {
-  return static_cast<int64_t>(static_cast<uint64_t>(a.count) | static_cast<uint64_t>(b.count) << 16 |
-                              static_cast<uint64_t>(a.first + 1) << 32 | static_cast<uint64_t>(b.first + 1) << 48);
-}
-
-// The FreeSlots of candidate ``which`` (0: the first, 1: the second) from pack_free's value.
-inline FreeSlots unpack_free(int64_t packed, int which) {
-  const uint64_t v = static_cast<uint64_t>(packed);
-  return {static_cast<int64_t>((v >> (16 * which)) & 0xFFFF), static_cast<int64_t>((v >> (32 + 16 * which)) & 0xFFFF) - 1};
-}
 
 // The slot of ``key`` among bucket ``base``'s W slots (its tag ``t``), or -1: the first slot whose
 // tag and key match. A used slot always holds its key's tag, so this is the first used slot
@@ -315,8 +304,23 @@ inline int64_t allocated_id(const int64_t* free_ids, int64_t top, int64_t high_w
 // (docs/design/0006): the candidate with more free slots, ties by a bit of the buckets; the
 // other one in the last round (``other``).
 inline bool tries_second(int64_t f1, int64_t f2, int64_t b1, int64_t b2, bool other) {
-  const bool second = f2 > f1 || (f2 == f1 && ((b1 ^ b2) & 1) != 0);
+  // Bitwise, not short-circuit: no branch to mispredict on a coin flip.
+  const bool second = (f2 > f1) | ((f2 == f1) & (((b1 ^ b2) & 1) != 0));
   return second != other;
+}
+
+// A placement round's choice for a key whose candidates b1, b2 have free slots s1, s2 (as
+// tries_second; ``other``: the last round's), packed in one int64 (buckets below 2^31, at most
+// PACKED_FREE_MAX_W slots): the bucket it tries << 32 | that bucket's first free slot (0 where
+// it has none) << 16 | its free slots; -1 where both are full. The upsert's probe packs the
+// first round's, so that the compiled placements' first round neither hashes the key again nor
+// reads its tag lines (insert.cpp, place.cpp).
+inline int64_t pack_choice(FreeSlots s1, FreeSlots s2, int64_t b1, int64_t b2, bool other = false) {
+  // Selected by masks: the choice is a coin flip to a branch predictor.
+  const int64_t m = -static_cast<int64_t>(tries_second(s1.count, s2.count, b1, b2, other));
+  const int64_t bucket = (b1 & ~m) | (b2 & m), count = (s1.count & ~m) | (s2.count & m), first = (s1.first & ~m) | (s2.first & m);
+  const int64_t packed = bucket << 32 | (first & ~(first >> 63)) << 16 | count;
+  return (s1.count | s2.count) ? packed : -1;
 }
 
 // The placement rounds of docs/design/0006: halving rounds (at most HALVING_ROUNDS, while one

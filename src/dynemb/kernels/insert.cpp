@@ -41,7 +41,7 @@ struct Share {
   const int64_t* missing;
   const int64_t* tkey;
   const int64_t* tplace;
-  const int64_t* pre_free;
+  const int64_t* pre_choice;
   const uint8_t* tags;
   int64_t W;
   const Candidates* cand;
@@ -57,34 +57,35 @@ struct Share {
 // slots as the round starts, with the chosen bucket's free slots and first free slot (``info``)
 // and the item's entry (bucket << ITEM_BITS | item, NONE where both are full). FIRST: the first
 // round (item k is the place missing[k]; else tkey / tplace hold the round's items); GIVEN: the
-// free slots as the probe read them (the first round only).
+// choices as the probe made them (pack_choice; the first round only).
 template <bool FIRST, bool GIVEN>
 void choose(const Share& sh, int64_t lo, int64_t hi) {
   const int64_t W = sh.W;
   const uint8_t* tags = sh.tags;
   int64_t per_range[MAX_THREADS + 1] = {};
   for (int64_t k = lo; k < hi; ++k) {
-    const int64_t place = FIRST ? sh.missing[k] : sh.tplace[k];
-    int64_t b1, b2;
-    sh.cand->of(FIRST ? sh.keys[place] : sh.tkey[k], place, &b1, &b2);
-    if (!GIVEN && k + AHEAD < hi) {
-      int64_t a1, a2;
-      const int64_t ahead = FIRST ? sh.missing[k + AHEAD] : sh.tplace[k + AHEAD];
-      sh.cand->of(FIRST ? sh.keys[ahead] : sh.tkey[k + AHEAD], ahead, &a1, &a2);
-      __builtin_prefetch(tags + a1 * W);
-      __builtin_prefetch(tags + a2 * W);
+    int64_t c;
+    if constexpr (GIVEN) {
+      c = sh.pre_choice[sh.missing[k]];
+    } else {
+      const int64_t place = FIRST ? sh.missing[k] : sh.tplace[k];
+      int64_t b1, b2;
+      sh.cand->of(FIRST ? sh.keys[place] : sh.tkey[k], place, &b1, &b2);
+      if (k + AHEAD < hi) {
+        int64_t a1, a2;
+        const int64_t ahead = FIRST ? sh.missing[k + AHEAD] : sh.tplace[k + AHEAD];
+        sh.cand->of(FIRST ? sh.keys[ahead] : sh.tkey[k + AHEAD], ahead, &a1, &a2);
+        __builtin_prefetch(tags + a1 * W);
+        __builtin_prefetch(tags + a2 * W);
+      }
+      c = pack_choice(free_slots(tags, b1, W), free_slots(tags, b2, W), b1, b2, sh.other);
     }
-    const int64_t seen = GIVEN ? sh.pre_free[place] : 0;
-    const FreeSlots s1 = GIVEN ? unpack_free(seen, 0) : free_slots(tags, b1, W);
-    const FreeSlots s2 = GIVEN ? unpack_free(seen, 1) : free_slots(tags, b2, W);
     uint64_t entry = NONE | static_cast<uint64_t>(k);
     int range = sh.rt;
-    if (s1.count || s2.count) {
-      const bool take_second = tries_second(s1.count, s2.count, b1, b2, sh.other);
-      const FreeSlots& s = take_second ? s2 : s1;
-      const uint64_t bucket = static_cast<uint64_t>(take_second ? b2 : b1);
+    if (c >= 0) {
+      const uint64_t bucket = static_cast<uint64_t>(c) >> 32;
       entry = bucket << ITEM_BITS | static_cast<uint64_t>(k);
-      sh.info[k] = s.count | (s.first >= 0 ? s.first : 0) << 32;
+      sh.info[k] = (c & 0xFFFF) | ((c >> 16) & 0xFFFF) << 32;
       range = static_cast<int>((bucket * sh.span) >> 32);
     }
     sh.sort_buffer[k] = entry;
@@ -116,7 +117,7 @@ extern "C" int64_t dyn_insert_new(
     const int64_t* missing,      // [m] places in keys of the missing keys (repeats allowed)
     int64_t m,
     int64_t score,               // the call's score, every new key's
-    const int64_t* pre_free,     // [U] or null: pack_free of each place's candidates, as the probe read them
+    const int64_t* pre_choice,   // [U] or null: pack_choice of each place's candidates, as the probe read them
     const int64_t* free_ids,     // [top] the free list's reusable ids, the next allocation's from the end
     int64_t top,
     int64_t high_water,          // the free list's first never-used id
@@ -132,7 +133,8 @@ extern "C" int64_t dyn_insert_new(
     int64_t nthreads) {
   for (int r = 0; r < MAX_ROUNDS; ++r) rounds[r] = 0;
   if (m == 0) return 0;
-  if (cap < SCRATCH_PER_KEY * m || m > static_cast<int64_t>(ITEM_MASK) || total_buckets >= (int64_t(1) << (64 - ITEM_BITS - 1))) return -1;
+  // (W: a round's choices pack as pack_choice does.)
+  if (W > PACKED_FREE_MAX_W || cap < SCRATCH_PER_KEY * m || m > static_cast<int64_t>(ITEM_MASK) || total_buckets >= (int64_t(1) << (64 - ITEM_BITS - 1))) return -1;
   // A round's items are numbered k = 0, 1, ... (in the first round k is the item t, the place
   // missing[t]). Per k: as the round starts, the free slots of the bucket it tries and the first
   // of them (``info``: count | first << 32); in a round after the first, its item (``item``),
@@ -197,7 +199,7 @@ extern "C" int64_t dyn_insert_new(
   };
 
   auto one_round = [&](bool halve, bool other) -> int64_t {
-    const bool given = pre_free && round_no == 0;
+    const bool given = pre_choice && round_no == 0;
     const int rt = n_todo >= 2048 ? nt : 1;
     // Thread r's buckets: the r-th of rt spans of the bucket ids (multiply-shift, as place.cpp);
     // range rt holds the items that try no bucket this round.
@@ -216,7 +218,7 @@ extern "C" int64_t dyn_insert_new(
       int64_t mine[MAX_THREADS + 1] = {};
       // (A) The bucket each item of this thread's share tries, from both candidates' free slots
       // as the round starts (in the first round as the probe read them).
-      const Share share{keys, missing, tkey, tplace, pre_free, tags, W, &cand, other, span, rt, info, sort_buffer, mine};
+      const Share share{keys, missing, tkey, tplace, pre_choice, tags, W, &cand, other, span, rt, info, sort_buffer, mine};
       if (round_no > 0)
         choose<false, false>(share, lo, hi);
       else if (given)

@@ -42,7 +42,8 @@ def insert_new_native(
     """Place the missing keys of one segment's index, in place; returns the slots each round took
     (the free list's allocations to commit, in turn) and the places left without a slot ([left],
     in ``missing``'s order, a view of ``workspace``; empty: every new key placed), or None where
-    the kernel cannot take the call (nothing was written).
+    the kernel cannot take the call (nothing was written: buckets of more than
+    ``PACKED_FREE_MAX_W`` slots, or 2^31 buckets or more).
 
     Args:
         table_keys (Tensor[int64]), tags (Tensor[uint8]), table_scores (Tensor[int32|int64]),
@@ -52,8 +53,9 @@ def insert_new_native(
             segments (None: one segment); missing (Tensor[int64]): [m] places in ``keys`` of the
             missing ones (a key may repeat only without ``seg``).
         score: the call's score, every new key's (fits ``table_scores``' dtype).
-        pre_free (Tensor[int64] | None): [U] the probe's ``pack_free`` of each place's candidates
-            (:func:`dynemb.kernels.upsert.found_and_missing_native`), or None.
+        pre_free (Tensor[int64] | None): [U] the first round's choice of each place's candidate
+            as the probe saw them (``pack_choice``, from
+            :func:`dynemb.kernels.upsert.found_and_missing_native`), or None.
         free_ids (Tensor[int64]): the free list's reusable ids (:meth:`FreeList.reusable`);
             high_water: its first never-used id.
         pos, rows (Tensor[int64]): [U] the call's result, written at the places of placed keys.

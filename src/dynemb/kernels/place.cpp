@@ -68,8 +68,8 @@ extern "C" int64_t dyn_place_free(
     int64_t* scratch,            // [8P] the caller's reused buffer
     int64_t cap,                 // its size, at least 8P
     int64_t* seg_placed,         // [S] or null (with seg): each segment's placed keys are added
-    const int64_t* pre_free,     // or null: pack_free of each key's candidates as the first round
-    const int64_t* pre_at,       //   starts, at pre_free[pre_at[i]] (read by the caller's probe)
+    const int64_t* pre_choice,   // or null: pack_choice of each key's candidates as the first round
+    const int64_t* pre_at,       //   starts, at pre_choice[pre_at[i]] (read by the caller's probe)
     int64_t nthreads) {
   for (int r = 0; r < MAX_ROUNDS; ++r) rounds[r] = 0;
   if (n == 0) return 0;
@@ -108,20 +108,31 @@ extern "C" int64_t dyn_place_free(
       int64_t* mine = own + a * MAX_PLACE_THREADS;
       // (A) Free slots of both candidates as the round starts, and the bucket each key tries
       // (in the first round from the probe's reading when the caller has it).
-      const bool given = pre_free && round_no == 0;
+      const bool given = pre_choice && round_no == 0;
       for (int64_t t = lo; t < hi; ++t) {
         if (t + AHEAD < hi) {
           if (given) {
-            __builtin_prefetch(pre_free + pre_at[todo[t + AHEAD]]);
+            __builtin_prefetch(pre_choice + pre_at[todo[t + AHEAD]]);
           } else {
             __builtin_prefetch(tags + b1[todo[t + AHEAD]] * W);
             __builtin_prefetch(tags + b2[todo[t + AHEAD]] * W);
           }
         }
         const int64_t i = todo[t];
-        const int64_t seen = given ? pre_free[pre_at[i]] : 0;
-        const FreeSlots s1 = given ? unpack_free(seen, 0) : free_slots(tags, b1[i], W);
-        const FreeSlots s2 = given ? unpack_free(seen, 1) : free_slots(tags, b2[i], W);
+        if (given) {
+          // The first round (which tries the preferred candidate) as the probe chose it.
+          const int64_t c = pre_choice[pre_at[i]];
+          if (c < 0) {
+            chosen[i] = -1;
+            continue;
+          }
+          chosen[i] = c >> 32;
+          nfree[i] = c & 0xFFFF;
+          if (packed) likely[i] = chosen[i] * W + ((c >> 16) & 0xFFFF);
+          ++mine[range_of(chosen[i])];
+          continue;
+        }
+        const FreeSlots s1 = free_slots(tags, b1[i], W), s2 = free_slots(tags, b2[i], W);
         const int64_t f1 = s1.count, f2 = s2.count;
         if (f1 == 0 && f2 == 0) {
           chosen[i] = -1;

@@ -23,16 +23,22 @@ static constexpr int64_t PROBE_BLOCK = 256;
 // key i of the block is key ``first + i`` of the call (for its segment). ``also`` (or null):
 // a [B, W] table (row ids, scores) whose entries the caller reads or writes at the found slots
 // next: prefetched with the key line unless it shares that line (packed slots). With FREE,
-// ``free_out`` gets for each absent key pack_free of its two candidates, read while their tags
-// are in cache (a template flag: the find's probe carries no test for it).
+// ``free_out`` gets for each absent key its first placement round's choice (pack_choice of its
+// two candidates), read while their tags are in cache (a template flag: the find's probe
+// carries no test for it).
 template <bool FREE = false>
 inline void probe_block(const KeyCol& table_keys, const uint8_t* tags, int64_t W, const Candidates& cand, const int64_t* keys, int64_t first,
                         int64_t len, int64_t* at, const IntCol* also = nullptr, int64_t* free_out = nullptr) {
   const bool also_apart = also && !same_record(table_keys, *also);
   int64_t b1[PROBE_BLOCK], b2[PROBE_BLOCK];
+  int64_t id1[FREE ? PROBE_BLOCK : 1], id2[FREE ? PROBE_BLOCK : 1];  // the bucket ids (b1, b2: their first slots)
   uint8_t tg[PROBE_BLOCK];
   for (int64_t i = 0; i < len; ++i) {
     cand.of(keys[i], first + i, &b1[i], &b2[i], &tg[i]);
+    if constexpr (FREE) {
+      id1[i] = b1[i];
+      id2[i] = b2[i];
+    }
     b1[i] *= W;
     b2[i] *= W;
   }
@@ -61,7 +67,9 @@ inline void probe_block(const KeyCol& table_keys, const uint8_t* tags, int64_t W
       if (at[i] < 0) at[i] = find_in_bucket(table_keys, tags, b2[i], W, keys[i], tg[i]);
     }
     if constexpr (FREE) {
-      if (at[i] < 0) free_out[i] = pack_free(free_slots_at(tags + b1[i], W), free_slots_at(tags + b2[i], W));
+      if (at[i] < 0) {
+        free_out[i] = pack_choice(free_slots_at(tags + b1[i], W), free_slots_at(tags + b2[i], W), id1[i], id2[i]);
+      }
     }
   }
 }

@@ -38,7 +38,7 @@ extern "C" int64_t dyn_upsert_found(
     int64_t* pos, bool* found,     // [U] out
     int64_t* missing,              // [U] out: the first M entries
     int64_t* rows_out,             // [U] out or null: row id of each found key, -1 where missing
-    int64_t* free_info,            // [U] out or null: each missing key's pack_free of its two
+    int64_t* free_info,            // [U] out or null: each missing key's pack_choice of its two
                                    // candidates (W <= PACKED_FREE_MAX_W; filled without lfu_add only)
     int64_t nthreads) {
   const KeyCol slot_keys(table_keys, key_step);

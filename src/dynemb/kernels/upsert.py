@@ -13,8 +13,10 @@ import torch
 
 from dynemb.kernels import library, ptr, slot_args, slot_step, threads
 
-# As common.h: the widest bucket whose free slots pack_free can hold.
+# As common.h: the widest bucket whose free slots pack_choice can hold.
 PACKED_FREE_MAX_W = 65534
+# pack_choice holds bucket ids below 2^31.
+PACKED_MAX_BUCKETS = 1 << 31
 
 
 def found_and_missing_native(
@@ -46,10 +48,12 @@ def found_and_missing_native(
         batch_scores, counts (Tensor[int64]): [U] this call's score and count of each key.
         workspace: a :class:`dynemb.workspace.Workspace` or None; with one, ``missing`` (and
             the free slots below) are views of its buffers, valid until the next call with it.
-        free_info: also return, for each missing key, its two candidate buckets' free slots as
-            the probe saw them ([U] int64, ``pack_free`` of common.h, meaningful at the missing
-            keys), for :func:`dynemb.kernels.place.place_free_native`'s first round; None when
-            not asked for, with ``lfu_add`` or with buckets too wide to pack.
+        free_info: also return, for each missing key, the first placement round's choice
+            between its two candidate buckets as the probe saw them ([U] int64, ``pack_choice``
+            of common.h: the bucket, its first free slot and free slots; meaningful at the
+            missing keys), for the first round of :func:`dynemb.kernels.place.place_free_native`
+            and :func:`dynemb.kernels.insert.insert_new_native`; None when not asked for, with
+            ``lfu_add`` or with buckets too wide to pack.
     """
     keys, batch_scores, counts = keys.contiguous(), batch_scores.contiguous(), counts.contiguous()
     seg = None if seg is None else seg.contiguous()
@@ -59,7 +63,7 @@ def found_and_missing_native(
     missing = torch.empty(n, dtype=torch.int64) if workspace is None else workspace.get("missing", n, (), torch.int64)
     rows = None if table_rows is None else torch.empty(n, dtype=torch.int64)
     info = None
-    if free_info and not lfu_add and table_keys.shape[1] <= PACKED_FREE_MAX_W:
+    if free_info and not lfu_add and table_keys.shape[1] <= PACKED_FREE_MAX_W and table_keys.shape[0] < PACKED_MAX_BUCKETS:
         info = torch.empty(n, dtype=torch.int64) if workspace is None else workspace.get("free_info", n, (), torch.int64)
     m = library().dyn_upsert_found(
         *slot_args(table_keys, tags, table_scores),
