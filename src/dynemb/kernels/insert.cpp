@@ -207,8 +207,8 @@ extern "C" int64_t dyn_insert_new(
     auto range_of = [&](uint64_t entry) -> int {
       return (entry & NONE) == NONE ? rt : static_cast<int>((static_cast<uint64_t>(bucket_of_entry(entry)) * span) >> 32);
     };
-    int64_t count[MAX_THREADS][MAX_THREADS + 1] = {}, start[MAX_THREADS + 2], placed_in[MAX_THREADS + 1];
-    placed_in[0] = 0;
+    int64_t count[MAX_THREADS][MAX_THREADS + 1] = {}, start[MAX_THREADS + 2], placed_in[MAX_THREADS + 1], left_in[MAX_THREADS + 1];
+    placed_in[0] = left_in[0] = 0;
 #pragma omp parallel num_threads(rt)
     {
       const int a = omp_get_thread_num();
@@ -303,7 +303,7 @@ extern "C" int64_t dyn_insert_new(
       // turn) get one free-list allocation: reused ids from the end of the stack first, then
       // fresh ones.
       const int64_t total = placed_in[rt], reused = total < top ? total : top;
-      int64_t k = placed_in[r];
+      int64_t k = placed_in[r], unplaced = 0;
       for (int64_t g = elo; g < ehi;) {
         if (g + AHEAD < ehi) {
           const int64_t ahead = bucket_of_entry(order[g + AHEAD]) * W, likely = ahead + (einfo[g + AHEAD] >> 32);
@@ -341,32 +341,38 @@ extern "C" int64_t dyn_insert_new(
             }
           }
           for (int64_t q = e; q < f; ++q) eslot[q] = slot;
+          if (slot < 0) unplaced += f - e;
           e = f;
         }
         g = e;
+      }
+      // The range's entries that got no slot go on to the next round, each with its item, key
+      // and place (the ranges in turn).
+      left_in[r + 1] = unplaced;
+#pragma omp barrier
+#pragma omp single
+      for (int q = 0; q < rt; ++q) left_in[q + 1] += left_in[q];
+      int64_t at = left_in[r];
+      for (int64_t e = elo; e < ehi; ++e) {
+        if (eslot[e] >= 0) continue;
+        const int64_t k_e = static_cast<int64_t>(order[e] & ITEM_MASK);
+        next_item[at] = round_no == 0 ? k_e : item[k_e];
+        tkey[at] = ekey[e];
+        tplace[at] = eplace[e];
+        ++at;
       }
     }
     const int64_t taken = placed_in[rt], reused = taken < top ? taken : top;
     top -= reused;
     high_water += taken - reused;
     rounds[round_no++] = taken;
-    // The items left: those that tried no bucket wait no more; those that got no slot go on,
-    // each with its key and place.
-    auto item_of = [&](uint64_t entry) -> int64_t {
-      const int64_t k = static_cast<int64_t>(entry & ITEM_MASK);
-      return round_no == 1 ? k : item[k];  // round_no was advanced above
-    };
-    for (int64_t e = start[rt]; e < start[rt + 1]; ++e) dead[n_dead++] = item_of(order[e]);
-    int64_t kept = 0;
-    for (int64_t e = 0; e < start[rt]; ++e) {
-      if (eslot[e] >= 0) continue;
-      next_item[kept] = item_of(order[e]);
-      tkey[kept] = ekey[e];
-      tplace[kept] = eplace[e];
-      ++kept;
+    // The items that tried no bucket wait no more.
+    for (int64_t e = start[rt]; e < start[rt + 1]; ++e) {
+      const int64_t k = static_cast<int64_t>(order[e] & ITEM_MASK);
+      dead[n_dead++] = round_no == 1 ? k : item[k];  // round_no was advanced above
     }
     std::swap(item, next_item);
-    n_todo = kept;
+    n_todo = left_in[rt];
     return taken;
   };
 
