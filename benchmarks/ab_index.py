@@ -6,7 +6,10 @@ Separate processes on this machine differ by 10-25% in speed (perf-log); two tre
 share its state. The other tree's ``src/dynemb`` is copied as a package named ``dynemb_other``
 (its imports renamed); its compiled kernels build under their own source hash.
 
-    python benchmarks/ab_index.py /path/to/other/checkout --load 0.9 [--calls 16] [--rules-differ]
+    python benchmarks/ab_index.py /path/to/other/checkout --load 0.9 [--calls 16] [--rules-differ] [--probe]
+
+``--probe`` times only the upsert's probe (``found_and_missing_native`` with the first round's
+choices, nothing placed) on the find_or_insert and insert queries.
 """
 
 from __future__ import annotations
@@ -55,6 +58,14 @@ def filled(module, load: float):
     return index, next_key, now
 
 
+def probe(module, index, keys: torch.Tensor, now: int) -> torch.Tensor:
+    """The upsert's probe of ``keys`` under one clock value (the found keys' scores written,
+    nothing placed): the slot of each key, -1 where missing."""
+    scores, counts = torch.full_like(keys, now), torch.ones_like(keys)
+    args = (index._keys, index._tags, index._scores, index._segments, keys, None, scores, counts, False, True, index._rows, index._workspace)
+    return module.kernels.upsert.found_and_missing_native(*args, free_info=True)[0]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("other", type=Path, help="the other checkout (its src/dynemb is measured as 'other')")
@@ -63,6 +74,7 @@ def main() -> None:
     p.add_argument(
         "--rules-differ", action="store_true", help="the trees place keys differently: compare only which keys each call holds, not slots or row ids"
     )
+    p.add_argument("--probe", action="store_true", help="time only the upsert's probe of the find_or_insert and insert queries")
     args = p.parse_args()
     import dynemb
 
@@ -85,6 +97,10 @@ def main() -> None:
             for name in names:
                 index = built[name][0]
                 t0 = time.perf_counter()
+                if args.probe and leaving is not None:
+                    results[name] = probe(trees[name], index, keys, now)
+                    times[(op, name)].append(time.perf_counter() - t0)
+                    continue
                 results[name] = index.find(keys)[0] if leaving is None else index.find_or_insert(keys, now=now).rows
                 times[(op, name)].append(time.perf_counter() - t0)
                 if leaving is not None:
