@@ -58,12 +58,12 @@ def filled(module, load: float):
     return index, next_key, now
 
 
-def probe(module, index, keys: torch.Tensor, now: int) -> torch.Tensor:
-    """The upsert's probe of ``keys`` under one clock value (the found keys' scores written,
-    nothing placed): the slot of each key, -1 where missing."""
+def probe(index, keys: torch.Tensor, now: int) -> torch.Tensor:
+    """The upsert's probe of ``keys`` under one clock value, as the index runs it (the found
+    keys' scores written, the first round's choices packed, nothing placed): the slot of each
+    key, -1 where missing. A private method: this measures a step inside the upsert."""
     scores, counts = torch.full_like(keys, now), torch.ones_like(keys)
-    args = (index._keys, index._tags, index._scores, index._segments, keys, None, scores, counts, False, True, index._rows, index._workspace)
-    return module.kernels.upsert.found_and_missing_native(*args, free_info=True)[0]
+    return index._found_and_missing_native(keys, counts, scores, False, True, None)[0]
 
 
 def main() -> None:
@@ -98,7 +98,7 @@ def main() -> None:
                 index = built[name][0]
                 t0 = time.perf_counter()
                 if args.probe and leaving is not None:
-                    results[name] = probe(trees[name], index, keys, now)
+                    results[name] = probe(index, keys, now)
                     times[(op, name)].append(time.perf_counter() - t0)
                     continue
                 results[name] = index.find(keys)[0] if leaving is None else index.find_or_insert(keys, now=now).rows

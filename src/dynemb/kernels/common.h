@@ -323,6 +323,11 @@ inline int64_t pack_choice(FreeSlots s1, FreeSlots s2, int64_t b1, int64_t b2, b
   return (s1.count | s2.count) ? packed : -1;
 }
 
+// The parts of pack_choice's value c >= 0: the bucket tried, its free slots, its first free slot.
+inline int64_t choice_bucket(int64_t c) { return c >> 32; }
+inline int64_t choice_count(int64_t c) { return c & 0xFFFF; }
+inline int64_t choice_first(int64_t c) { return (c >> 16) & 0xFFFF; }
+
 // The placement rounds of docs/design/0006: halving rounds (at most HALVING_ROUNDS, while one
 // places a key), then one filling the preferred candidate, then one the other. ``one_round(halve,
 // other)`` returns the slots it took; the rounds stop once ``n_todo`` (the keys waiting) is 0.

@@ -83,9 +83,9 @@ void choose(const Share& sh, int64_t lo, int64_t hi) {
     uint64_t entry = NONE | static_cast<uint64_t>(k);
     int range = sh.rt;
     if (c >= 0) {
-      const uint64_t bucket = static_cast<uint64_t>(c) >> 32;
+      const uint64_t bucket = static_cast<uint64_t>(choice_bucket(c));
       entry = bucket << ITEM_BITS | static_cast<uint64_t>(k);
-      sh.info[k] = (c & 0xFFFF) | ((c >> 16) & 0xFFFF) << 32;
+      sh.info[k] = choice_count(c) | choice_first(c) << 32;
       range = static_cast<int>((bucket * sh.span) >> 32);
     }
     sh.sort_buffer[k] = entry;

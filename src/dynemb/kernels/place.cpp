@@ -126,9 +126,9 @@ extern "C" int64_t dyn_place_free(
             chosen[i] = -1;
             continue;
           }
-          chosen[i] = c >> 32;
-          nfree[i] = c & 0xFFFF;
-          if (packed) likely[i] = chosen[i] * W + ((c >> 16) & 0xFFFF);
+          chosen[i] = choice_bucket(c);
+          nfree[i] = choice_count(c);
+          if (packed) likely[i] = chosen[i] * W + choice_first(c);
           ++mine[range_of(chosen[i])];
           continue;
         }
