@@ -20,21 +20,27 @@ pytestmark = pytest.mark.skipif(not uses_native("native", "cpu"), reason="compil
 
 
 class Counting:
-    """Counts the compiled insert's calls by what they left: every key placed, some left, refused."""
+    """Counts the compiled insert's calls by what they left: every key placed by its rounds,
+    some left, refused; and of the calls that left some, those whose rest passes (in the same
+    call, where the index cannot grow) placed them all, and those that left keys pending for
+    the caller to go on from."""
 
     def __init__(self, monkeypatch):
-        self.placed_all = self.left_some = self.refused = 0
+        self.placed_all = self.left_some = self.refused = self.rest_placed = self.rest_pending = 0
         original = BatchPlacement._insert_new_native
 
         def counted(index, *args):
-            left = original(index, *args)
-            if left is None:
+            got = original(index, *args)
+            if got is None:
                 self.refused += 1
-            elif left.numel():
+            elif got.left.numel():
                 self.left_some += 1
+                if got.rest is not None:
+                    self.rest_placed += got.rest.code == 0
+                    self.rest_pending += got.rest.code != 0
             else:
                 self.placed_all += 1
-            return left
+            return got
 
         monkeypatch.setattr(BatchPlacement, "_insert_new_native", counted)
 
@@ -88,7 +94,7 @@ def test_upsert_unique_of_training_lookups(monkeypatch, segmented):
         if step % 3 == 2:
             for index in (fast, native_sorted, torch_index):
                 index.erase(unique[::4], **({"segments": useg[::4]} if segmented else {}))
-    assert counting.placed_all > 0 and counting.left_some > 0
+    assert counting.placed_all > 0 and counting.left_some > 0 and counting.rest_pending > 0
 
 
 def test_random_keys_with_repeats_and_reused_row_ids(monkeypatch):
@@ -105,6 +111,9 @@ def test_nearly_full_index_leaves_keys_to_moves_and_eviction(monkeypatch):
     batches = [torch.randint(0, 40_000, (n,), generator=g) for n in [600, 600] + [3000] * 8]
     counting = drive(monkeypatch, lambda b: KeyIndex(capacity=4096, bucket_capacity=8, backend=b), batches, erase_every=4)
     assert counting.placed_all > 0 and counting.left_some > 0
+    # The rest passes in the insert's call: every left key placed there, and keys left pending
+    # for the caller's displacement and eviction to go on from.
+    assert counting.rest_placed > 0 and counting.rest_pending > 0
 
 
 @pytest.mark.parametrize("strategy", ["step", "no_eviction"])

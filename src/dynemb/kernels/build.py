@@ -23,7 +23,7 @@ I64, PTR, F64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
 SIGNATURES = {
     "dyn_locate": "pipiippppipppiipi",
     "dyn_place_free": "pippppiiiipppippppipppi",
-    "dyn_insert_new": "pippiiiipiipppppiippiippppppii",
+    "dyn_insert_new": "pippiiiipiipppppiippiippppppiiiiipiiipip",
     "dyn_dedup": "pippppppipi",
     "dyn_sort_unique": "pipppppppppi",
     "dyn_rows_at": "piipipi",

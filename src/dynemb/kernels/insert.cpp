@@ -16,6 +16,11 @@
 
 #include "common.h"
 
+extern "C" int64_t dyn_place_rest(int64_t*, int64_t, uint8_t*, void*, int64_t, int64_t, void*, int64_t, int64_t, int64_t, int64_t, const int64_t*,
+                                  const int64_t*, const int64_t*, const int64_t*, const int64_t*, const int64_t*, int64_t, int64_t*, int64_t, bool*, bool*,
+                                  int64_t*, int64_t, int64_t*, int64_t, int64_t, int64_t, const int64_t*, int64_t, int64_t, int64_t*, int64_t, int64_t*,
+                                  int64_t*, int64_t);
+
 using namespace dynemb;
 
 static constexpr int MAX_ROUNDS = PLACEMENT_ROUNDS;
@@ -27,8 +32,10 @@ static constexpr int64_t SHORT_RUN = 32;
 // Bits of an entry of the sort array below its bucket: the item.
 static constexpr int ITEM_BITS = 32;
 static constexpr uint64_t ITEM_MASK = (uint64_t(1) << ITEM_BITS) - 1;
-// int64 entries of scratch per missing place (insert.py's SCRATCH_PER_KEY).
-static constexpr int64_t SCRATCH_PER_KEY = 12;
+// int64 entries of scratch per missing place (insert.py's SCRATCH_PER_KEY): 12 for the rounds,
+// then REST_PER_KEY for the rest's passes (what the caller reads back when they leave keys).
+static constexpr int64_t ROUNDS_PER_KEY = 12, REST_PER_KEY = 8;
+static constexpr int64_t SCRATCH_PER_KEY = ROUNDS_PER_KEY + REST_PER_KEY;
 
 namespace {
 
@@ -99,6 +106,18 @@ void choose(const Share& sh, int64_t lo, int64_t hi) {
 // Returns the number of places left without a slot (0: every new key placed), or -1 when the
 // scratch is too small or m too large. ``rounds`` gets the slots each round took (the free
 // list's allocations to commit, in turn).
+//
+// With ``rest`` (an index that cannot grow), the places left go on here to the passes of
+// rest.cpp, as BatchPlacement._upsert would hand them to BatchPlacement._place_rest: the new
+// keys among them (each once, in priority order: the places' order for distinct keys, else by
+// key) by cuckoo moves and free slots. ``tail`` [6] then gets the rest's code (0: every key
+// placed, and the result written at every left place; else as dyn_place_rest's, the caller
+// going on from the state below), the new keys M, the ranks still pending, whether the moves
+// were given up for the call, the allocations written and the keys placed. The state, in the
+// scratch from ROUNDS_PER_KEY * m on: [M] the new keys, [M] the first place of each, [n] the
+// new key of each left place (with repeats), [M] their slots (-1: none), [M] the ranks pending
+// (the first tail[2]), [M] scores, [M] segments (with seg), then [M] waiting and [M] hopeful
+// flags (bytes). Without ``rest``, tail[0] is -2.
 extern "C" int64_t dyn_insert_new(
     int64_t* table_keys,         // [B, W]
     int64_t key_step,            // elements from one slot's key to the next (1, or 2 packed)
@@ -112,8 +131,8 @@ extern "C" int64_t dyn_insert_new(
     int64_t row_step,            // elements from one slot's row id to the next (1, or 4 packed)
     const int64_t* keys,         // [U] the call's keys
     const int64_t* seg,          // [U] their segments, or null (one segment)
-    const int64_t* seg_counts,   // [S] buckets of each segment (with seg)
-    const int64_t* seg_offsets,  // [S] first bucket of each segment (with seg)
+    const int64_t* seg_counts,   // [S] buckets of each segment (with seg or of_bucket)
+    const int64_t* seg_offsets,  // [S] first bucket of each segment (with seg or of_bucket)
     const int64_t* missing,      // [m] places in keys of the missing keys (repeats allowed)
     int64_t m,
     int64_t score,               // the call's score, every new key's
@@ -130,8 +149,17 @@ extern "C" int64_t dyn_insert_new(
                                  // ``missing``'s order (the first n of them, n returned)
     int64_t* scratch,            // [SCRATCH_PER_KEY * m] the caller's reused buffer
     int64_t cap,                 // its size
-    int64_t nthreads) {
+    int64_t nthreads,
+    int64_t n_keys,              // U
+    int64_t repeats,             // 1: ``missing`` may repeat a key (one segment); 0: its keys are distinct, in priority order
+    int64_t rest,                // 1: the places left go on to the rest's passes (see above)
+    const int64_t* of_bucket,    // (with rest) [B] the segment of each bucket, or null (one segment)
+    int64_t empty_slots,         // (with rest) the index's empty slots as the call starts
+    int64_t depth, int64_t give_up,                   // (with rest) as dyn_place_rest's
+    int64_t* allocations, int64_t max_allocations,    // (with rest) out: the row ids each of its placement rounds took
+    int64_t* tail) {             // [6] out (see above)
   for (int r = 0; r < MAX_ROUNDS; ++r) rounds[r] = 0;
+  tail[0] = -2;
   if (m == 0) return 0;
   // (W: a round's choices pack as pack_choice does.)
   if (W > PACKED_FREE_MAX_W || cap < SCRATCH_PER_KEY * m || m > static_cast<int64_t>(ITEM_MASK) || total_buckets >= (int64_t(1) << (64 - ITEM_BITS - 1))) return -1;
@@ -376,6 +404,63 @@ extern "C" int64_t dyn_insert_new(
     return taken;
   };
 
+  // The places left (``left`` [n], ascending) through the rest's passes (see above), ``placed``
+  // keys having been placed by the rounds.
+  auto pass_rest = [&](const int64_t* left, int64_t n, bool sort_keys, int64_t* state, int64_t m_cap, int64_t placed) {
+    int64_t *new_keys = state, *first = new_keys + m_cap, *spread = first + m_cap, *new_pos = spread + m_cap;
+    int64_t *pending = new_pos + m_cap, *new_scores = pending + m_cap, *new_seg = new_scores + m_cap;
+    bool* waiting = reinterpret_cast<bool*>(new_seg + m_cap);
+    bool* hopeful = waiting + m_cap;
+    int64_t M = 0;
+    if (sort_keys) {
+      // The distinct keys ascending (priority order under one clock value), each at its first
+      // place; spread: each place's key (as sort_unique_first).
+      std::vector<int64_t> by(n);
+      for (int64_t j = 0; j < n; ++j) by[j] = j;
+      std::stable_sort(by.begin(), by.end(), [&](int64_t a, int64_t b) { return keys[left[a]] < keys[left[b]]; });
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t j = by[i], key = keys[left[j]];
+        if (M == 0 || new_keys[M - 1] != key) {
+          new_keys[M] = key;
+          first[M++] = left[j];
+        }
+        spread[j] = M - 1;
+      }
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        new_keys[j] = keys[left[j]];
+        first[j] = left[j];
+        spread[j] = j;
+      }
+      M = n;
+    }
+    for (int64_t i = 0; i < M; ++i) {
+      new_pos[i] = -1;
+      pending[i] = i;
+      new_scores[i] = score;
+      waiting[i] = hopeful[i] = true;
+      if (seg) new_seg[i] = seg[first[i]];
+    }
+    int64_t out[4] = {0, 0, 0, 0};
+    const int64_t code = dyn_place_rest(table_keys, key_step, tags, table_rows, row_bytes, row_step, table_scores, score_bytes, score_step, W, total_buckets,
+                                        of_bucket, seg_counts, seg_offsets, new_keys, new_scores, seg ? new_seg : nullptr, M,
+                                        pending, M, waiting, hopeful, pos, n_keys, new_pos, empty_slots - placed, depth, give_up, free_ids, top, high_water,
+                                        allocations, max_allocations, seg_placed, out, nthreads);
+    if (code == 0)
+      // Every left place's slot and row id into the result.
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t p = new_pos[spread[j]];
+        pos[left[j]] = p;
+        rows[left[j]] = slot_rows.get(p);
+      }
+    tail[0] = code;
+    tail[1] = M;
+    tail[2] = out[0];
+    tail[3] = out[1];
+    tail[4] = out[2];
+    tail[5] = out[3];
+  };
+
   placement_rounds(one_round, n_todo);
   // Each segment's placed keys (with segments every key comes once: a placed place has a slot).
   if (seg && seg_placed)
@@ -387,6 +472,11 @@ extern "C" int64_t dyn_insert_new(
     std::copy(item, item + n_todo, dead + n_dead);
     std::sort(dead, dead + n_left);
     for (int64_t k = 0; k < n_left; ++k) left_out[k] = missing[dead[k]];
+  }
+  if (rest && n_left && left_out) {
+    int64_t placed = 0;
+    for (int r = 0; r < MAX_ROUNDS; ++r) placed += rounds[r];
+    pass_rest(left_out, n_left, repeats != 0, scratch + ROUNDS_PER_KEY * m, m, placed);
   }
   return n_left;
 }

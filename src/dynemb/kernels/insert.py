@@ -8,17 +8,55 @@ missing keys sorted and de-duplicated (``sort_unique_first_torch``), placed in p
 (``BatchPlacement._place_free``, the rule of ``place.py``), one free-list allocation of row ids
 per placement round, and ``rows_of_new_torch``. The kernel gives the same slots, row ids, free
 list and result without sorting the keys (docs/design/0043).
+
+Where the index cannot grow, the places the rounds leave go on, in the same call, to the passes
+of ``rest.cpp`` (cuckoo moves, then free slots), as ``BatchPlacement._upsert`` would hand them to
+``BatchPlacement._place_rest``: the same kernels in the same order, without the Python between.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from dynemb.kernels import library, ptr, slot_args, slot_step, threads
+from dynemb.kernels import rest as rest_kernel
 from dynemb.kernels.place import MAX_ROUNDS
 
-# int64 scratch entries per missing place (insert.cpp's SCRATCH_PER_KEY).
-SCRATCH_PER_KEY = 12
+# int64 scratch entries per missing place (insert.cpp's SCRATCH_PER_KEY): ROUNDS for the rounds,
+# then the rest's state (REST, read back below).
+ROUNDS_PER_KEY, REST_PER_KEY = 12, 8
+SCRATCH_PER_KEY = ROUNDS_PER_KEY + REST_PER_KEY
+# int64 entries of the small output after the rounds': the rest's tail, then its allocations
+# (at most rest.MAX_PASSES placement calls of MAX_ROUNDS each, as place_rest_native's).
+TAIL = 6
+
+
+class Rest(NamedTuple):
+    """Where the index cannot grow: the rest's passes over the places the rounds left, as
+    :func:`dynemb.kernels.rest.place_rest_native` on the new keys among them would report them
+    (M new keys, P pending)."""
+
+    code: int  # 0: every key placed, its slot and row id in the result; 1 / 2 / -1: as place_rest_native's
+    allocations: list[int]  # the row ids each of its placement rounds took, in turn
+    gave_up: bool  # the moves were given up for the rest of the call
+    # With code != 0 (else None): views of the workspace, valid until its next insert.
+    new_keys: torch.Tensor | None = None  # [M] each new key once, in priority order
+    first: torch.Tensor | None = None  # [M] its first place in the call's keys
+    spread: torch.Tensor | None = None  # [left] the new key of each left place
+    new_pos: torch.Tensor | None = None  # [M] slots (-1: none)
+    pending: torch.Tensor | None = None  # [P] ranks still pending, ascending
+    waiting: torch.Tensor | None = None  # [M] bool
+    hopeful: torch.Tensor | None = None  # [M] bool
+
+
+class Inserted(NamedTuple):
+    """What :func:`insert_new_native` did."""
+
+    rounds: list[int]  # slots each round took (the free list's allocations to commit, in turn)
+    left: torch.Tensor  # [left] the places left without a slot by the rounds, in ``missing``'s order (a workspace view)
+    rest: Rest | None  # the rest's passes over them, where asked and some were left
 
 
 def insert_new_native(
@@ -38,11 +76,12 @@ def insert_new_native(
     rows: torch.Tensor,
     workspace,
     per_segment: torch.Tensor | None = None,
-) -> tuple[list[int], torch.Tensor] | None:
-    """Place the missing keys of one segment's index, in place; returns the slots each round took
-    (the free list's allocations to commit, in turn) and the places left without a slot ([left],
-    in ``missing``'s order, a view of ``workspace``; empty: every new key placed), or None where
-    the kernel cannot take the call (nothing was written: buckets of more than
+    rest: tuple[int, int, int] | None = None,
+    repeats: bool = True,
+) -> Inserted | None:
+    """Place the missing keys of one segment's index, in place; returns what was done
+    (:class:`Inserted`: the rounds, the places they left, the rest's passes over those), or
+    None where the kernel cannot take the call (nothing was written: buckets of more than
     ``PACKED_FREE_MAX_W`` slots, or 2^31 buckets or more).
 
     Args:
@@ -61,13 +100,22 @@ def insert_new_native(
         pos, rows (Tensor[int64]): [U] the call's result, written at the places of placed keys.
         workspace: a :class:`dynemb.workspace.Workspace` for the kernel's scratch.
         per_segment (Tensor[int64] | None): [S] with ``seg``: each segment's placed keys are added.
+        rest: (the index's empty slots, MOVE_DEPTH, GIVE_UP) for an index that cannot grow: the
+            places left go on to the rest's passes (:class:`Rest`); None: they are only reported.
+        repeats: ``missing`` may repeat keys (then the rest's new keys are sorted by key);
+            False: its keys are distinct and in priority order.
     """
     keys, missing, free_ids = keys.contiguous(), missing.contiguous(), free_ids.contiguous()
     seg = None if seg is None else seg.contiguous()
     m = missing.numel()
-    rounds = torch.zeros(MAX_ROUNDS, dtype=torch.int64)
+    # The rounds, the rest's tail and its allocations, written by the kernel.
+    max_allocations = rest_kernel.MAX_PASSES * MAX_ROUNDS
+    small = torch.empty(MAX_ROUNDS + TAIL + max_allocations, dtype=torch.int64)
     left_places = workspace.get("insert_new.left", m, (), torch.int64)
     cap = SCRATCH_PER_KEY * m
+    scratch = workspace.get("insert_new", cap, (), torch.int64)
+    with_segments = seg is not None or segments.of_bucket is not None
+    free_slots, depth, give_up = rest or (0, 0, 0)
     left = library().dyn_insert_new(
         *slot_args(table_keys, tags, table_scores),
         ptr(table_rows),
@@ -75,8 +123,8 @@ def insert_new_native(
         slot_step(table_rows),
         ptr(keys),
         ptr(seg),
-        None if seg is None else ptr(segments.counts),
-        None if seg is None else ptr(segments.offsets),
+        ptr(segments.counts) if with_segments else None,
+        ptr(segments.offsets) if with_segments else None,
         ptr(missing),
         m,
         score,
@@ -86,11 +134,38 @@ def insert_new_native(
         high_water,
         ptr(pos),
         ptr(rows),
-        ptr(rounds),
+        ptr(small),
         ptr(per_segment),
         ptr(left_places),
-        ptr(workspace.get("insert_new", cap, (), torch.int64)),
+        ptr(scratch),
         cap,
         threads(),
+        keys.numel(),
+        int(repeats),
+        int(rest is not None),
+        ptr(segments.of_bucket),
+        free_slots,
+        depth,
+        give_up,
+        ptr(small[MAX_ROUNDS + TAIL :]),
+        max_allocations,
+        ptr(small[MAX_ROUNDS:]),
     )
-    return None if left < 0 else ([r for r in rounds.tolist() if r], left_places[:left])
+    if left < 0:
+        return None
+    head = small[: MAX_ROUNDS + TAIL].tolist()
+    rounds, (code, M, P, gave_up, n_alloc, _) = [r for r in head[:MAX_ROUNDS] if r], head[MAX_ROUNDS:]
+    if code == -2:
+        return Inserted(rounds, left_places[:left], None)
+    allocations = small[MAX_ROUNDS + TAIL : MAX_ROUNDS + TAIL + n_alloc].tolist()
+    if code == 0:
+        return Inserted(rounds, left_places[:left], Rest(0, allocations, bool(gave_up)))
+    # The state the caller goes on from (insert.cpp's layout).
+    state = scratch[ROUNDS_PER_KEY * m :].view(REST_PER_KEY, m)
+    new_keys, first, spread, new_pos, pending = (state[i] for i in range(5))
+    flags = state[7].view(torch.bool)
+    return Inserted(
+        rounds,
+        left_places[:left],
+        Rest(code, allocations, bool(gave_up), new_keys[:M], first[:M], spread[:left], new_pos[:M], pending[:P], flags[:M], flags[m : m + M]),
+    )

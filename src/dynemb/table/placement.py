@@ -87,9 +87,11 @@ class BatchPlacement:
         # After the compiled insert, the keys it left go on alone; should displacement need every
         # new key's rank, widen() builds them (see _place_rest).
         widen = None
+        # Where the compiled insert's rest passes left keys pending: the state to go on from.
+        rest = None
         if uniform and self.native and missing.numel() and (distinct or seg is None) and self._places_without_growth(missing.numel(), _pick(seg, missing)):
-            got = self._insert_new_native(unique, seg, missing, batch_scores, pos, found_rows, pre_free)
-            if got is not None and got.numel() == 0:
+            got = self._insert_new_native(unique, seg, missing, batch_scores, pos, found_rows, pre_free, distinct)
+            if got is not None and (got.left.numel() == 0 or (got.rest is not None and got.rest.code == 0)):
                 # Every new key placed, with its slot and row id in the result: nothing evicted or failed.
                 none = unique[:0]
                 no_seg = none if self.segmented else None
@@ -98,8 +100,14 @@ class BatchPlacement:
                 # The placed keys have their slots and row ids in pos and rows (moves follow them);
                 # the places left go on (a copy: the kernel's buffer is reused by later calls).
                 widen = functools.partial(self._every_new_key, unique, seg, missing, batch_scores, distinct)
-                occurrences = missing = got.clone()
-        if distinct or missing.numel() == 0:
+                occurrences = missing = got.left.clone()
+                rest = got.rest
+        if rest is not None:
+            # The rest's passes ran in the insert's call and left keys pending: its new keys in
+            # priority order, each at its first place, and their state (copies, as above).
+            new_keys, missing = rest.new_keys.clone(), rest.first.clone()
+            spread, new_seg = (None if distinct else rest.spread.clone()), _pick(seg, missing)
+        elif distinct or missing.numel() == 0:
             new_keys, new_seg = unique.index_select(0, missing), _pick(seg, missing)
         elif self.native and seg is None:
             # As below, the compiled sort also giving each key's first place among the missing;
@@ -116,7 +124,10 @@ class BatchPlacement:
         # One clock value: every key of the call has the same score, so any M of them are the new keys'.
         new_scores = batch_scores[: missing.numel()] if uniform else batch_scores.index_select(0, missing)
         pending = new_pos = missing  # [M] ranks not placed yet and slots (none when every key was found)
-        if widen is not None:
+        hopeful = None
+        if rest is not None:
+            new_pos, waiting, pending, hopeful = (t.clone() for t in (rest.new_pos, rest.waiting, rest.pending, rest.hopeful))
+        elif widen is not None:
             # The compiled insert was the first placement pass: every key left waits.
             new_pos = torch.full_like(missing, -1)
             waiting = torch.ones_like(missing, dtype=torch.bool)
@@ -131,7 +142,10 @@ class BatchPlacement:
                 waiting = ~placed  # [M] not placed yet
                 pending = waiting.nonzero().squeeze(1)
         if pending.numel():
-            pos, new_pos, pending, widened = self._place_rest(unique, seg, missing, new_keys, new_scores, new_seg, pos, new_pos, waiting, pending, widen)
+            resume = None if rest is None else (rest.code == 1, rest.gave_up)
+            pos, new_pos, pending, widened = self._place_rest(
+                unique, seg, missing, new_keys, new_scores, new_seg, pos, new_pos, waiting, pending, widen, hopeful, resume
+            )
             if widened is not None:
                 missing, new_keys, new_scores, new_seg, occurrences, spread = widened
 
@@ -184,6 +198,8 @@ class BatchPlacement:
         waiting: torch.Tensor,
         pending: torch.Tensor,
         widen=None,
+        hopeful: torch.Tensor | None = None,
+        resume: tuple[bool, bool] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
         """The passes after the first: growth, cuckoo moves and displacement for the P keys the
         first pass left ``pending`` (ranks into ``missing``, P > 0; ``waiting`` [M] marks them).
@@ -196,12 +212,17 @@ class BatchPlacement:
 
         Returns pos [U] (slots of the found keys, moved where residents moved), new_pos [M], the
         ranks still pending (for eviction), and, if widened, the new keys' (missing, keys,
-        scores, segments, occurrences, spread) to go on with (else None)."""
+        scores, segments, occurrences, spread) to go on with (else None).
+
+        ``hopeful`` ([M], default all): the keys moves may still help. ``resume`` (after the
+        compiled insert ran the first native pass, :class:`dynemb.kernels.insert.Rest`): that
+        pass's (whether no tried key got room, whether the moves were given up); the loop goes
+        on from its state as if it had just made it."""
         widened = None
         # New keys for which moving residents may still free a slot: a key none of whose
         # buckets' keys could move is not tried again in this call.
-        hopeful = torch.ones_like(missing, dtype=torch.bool)  # [M]
-        gave_up = False  # whether every key was ruled out of the moves at once (GIVE_UP)
+        hopeful = torch.ones_like(missing, dtype=torch.bool) if hopeful is None else hopeful  # [M]
+        gave_up = False if resume is None else resume[1]  # whether every key was ruled out of the moves at once (GIVE_UP)
         # Each pass places at least one more key, or rules keys out of displacement, or improves
         # the priority of the placed ones (_displace), or ends. The host syncs per pass (sizes of
         # masked selections) are what lets the loop stop as soon as every key is placed.
@@ -209,8 +230,11 @@ class BatchPlacement:
             if self.native and not self._can_grow():
                 # The passes of the branch below, in one compiled call, until every key is placed
                 # or no tried key gets room (then on to displacement, as there).
-                stalled, pending, stopped = self._place_rest_native(new_keys, new_scores, new_seg, pending, waiting, hopeful, pos, new_pos)
-                gave_up |= stopped
+                if resume is not None:
+                    stalled, resume = resume[0], None
+                else:
+                    stalled, pending, stopped = self._place_rest_native(new_keys, new_scores, new_seg, pending, waiting, hopeful, pos, new_pos)
+                    gave_up |= stopped
                 if pending.numel() == 0:
                     return pos, new_pos, pending, widened
                 if not stalled:
@@ -466,26 +490,46 @@ class BatchPlacement:
         pos: torch.Tensor,
         rows: torch.Tensor,
         pre_free: torch.Tensor | None,
-    ) -> torch.Tensor | None:
+        distinct: bool,
+    ):
         """The first placement pass of a call under one clock value by the compiled insert, from
-        the probe's missing places (repeats included; :func:`dynemb.kernels.insert.insert_new_native`):
-        the new keys it places get their slots and row ids, in the index and in ``pos`` / ``rows``.
-        Returns the places left without a slot ([left], in ``missing``'s order, a view of the
-        workspace; empty: every key placed), or None where the kernel cannot take the call
-        (nothing was done)."""
+        the probe's missing places (repeats included unless ``distinct``;
+        :func:`dynemb.kernels.insert.insert_new_native`): the new keys it places get their slots
+        and row ids, in the index and in ``pos`` / ``rows``. Where the index cannot grow, the
+        places it leaves go on in the same call to the passes :meth:`_place_rest` would make
+        first (:meth:`_place_rest_native`'s). Returns its
+        :class:`dynemb.kernels.insert.Inserted` (the row ids it handed out committed), or None
+        where the kernel cannot take the call (nothing was done)."""
         free = self.free_list
         score = int(batch_scores[0])
         # The kernel counts each segment's placed keys (no slot -> segment mapping afterwards).
         per_segment = None if seg is None else torch.zeros(self.num_segments, dtype=torch.int64)
         tables = (self._keys, self._tags, self._scores, self._rows)
+        rest = None if self._can_grow() else (self.current_capacity() - self._size, MOVE_DEPTH, GIVE_UP)
         got = insert_new_native(
-            *tables, self._segments, keys, seg, missing, score, pre_free, free.reusable(), free.high_water, pos, rows, self._workspace, per_segment
+            *tables,
+            self._segments,
+            keys,
+            seg,
+            missing,
+            score,
+            pre_free,
+            free.reusable(),
+            free.high_water,
+            pos,
+            rows,
+            self._workspace,
+            per_segment,
+            rest=rest,
+            repeats=not distinct,
         )
         if got is None:
             return None
-        rounds, left = got
-        self._commit_rounds(rounds, per_segment)
-        return left
+        # One allocation a round, the rounds' first, then the rest's (as _place_rest_native's).
+        self._commit_rounds(got.rounds + (got.rest.allocations if got.rest is not None else []), per_segment)
+        if got.rest is not None and got.rest.code < 0:
+            raise RuntimeError("rest kernel: an output bound was exceeded (a bug; the keys placed before it are counted)")
+        return got
 
     def _commit_rounds(self, rounds: list[int], per_segment: torch.Tensor | None) -> None:
         """After a compiled placement that handed out row ids itself: the free list hands out
