@@ -184,3 +184,21 @@ def test_to_moves_released_ids():
     fl.to("meta")
     assert fl.device.type == "meta" and fl.state()["free"].device.type == "meta"
     assert fl.allocate(2).device.type == "meta"
+
+
+def test_take_advances_as_allocate_does():
+    # take(n): the state allocate(n) leaves, the ids made by a kernel instead (reused ones from
+    # the end of reusable(), then fresh ones from high_water).
+    made, taken = FreeList(12), FreeList(12)
+    for fl in (made, taken):
+        fl.allocate(7)
+        fl.release(ids([5, 0, 3]))
+    for n in (2, 0, 3, 3):
+        made.allocate(n)
+        taken.take(n)
+        assert made.high_water == taken.high_water and torch.equal(made.reusable(), taken.reusable())
+    assert made.num_free() == taken.num_free() == 0
+    with pytest.raises(RuntimeError, match="asked for 1 rows, 0 free"):
+        taken.take(1)
+    with pytest.raises(ValueError, match="n=-1"):
+        taken.take(-1)

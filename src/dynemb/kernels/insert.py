@@ -153,11 +153,13 @@ def insert_new_native(
     )
     if left < 0:
         return None
-    head = small[: MAX_ROUNDS + TAIL].tolist()
-    rounds, (code, M, P, gave_up, n_alloc, _) = [r for r in head[:MAX_ROUNDS] if r], head[MAX_ROUNDS:]
+    # One read of the whole output (each tensor operation after a kernel that swept the caches
+    # costs tens of microseconds: perf-log, sixteenth session).
+    out = small.tolist()
+    rounds, (code, M, P, gave_up, n_alloc, _) = [r for r in out[:MAX_ROUNDS] if r], out[MAX_ROUNDS : MAX_ROUNDS + TAIL]
     if code == -2:
         return Inserted(rounds, left_places[:left], None)
-    allocations = small[MAX_ROUNDS + TAIL : MAX_ROUNDS + TAIL + n_alloc].tolist()
+    allocations = out[MAX_ROUNDS + TAIL : MAX_ROUNDS + TAIL + n_alloc]
     if code == 0:
         return Inserted(rounds, left_places[:left], Rest(0, allocations, bool(gave_up)))
     # The state the caller goes on from (insert.cpp's layout).

@@ -65,6 +65,17 @@ class FreeList:
             ids = torch.cat([ids, new]) if reused else new
         return ids.clone() if reused and not fresh and not borrow else ids
 
+    def take(self, n: int) -> None:
+        """Hand out ``n`` ids as ``allocate(n)`` would, without making them: for a kernel that
+        wrote them itself from :meth:`reusable` and ``high_water`` (no tensor per call)."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"n={n!r}: must be an int >= 0")
+        if n > self.num_free():
+            raise RuntimeError(f"free list: asked for {n} rows, {self.num_free()} free of {self.capacity}")
+        reused = min(n, self._top)
+        self._top -= reused
+        self.high_water += n - reused
+
     def release(self, rows: torch.Tensor) -> None:
         """Take back distinct ids (Tensor[int64]: [n]) that were handed out."""
         n = rows.numel()

@@ -535,9 +535,9 @@ class BatchPlacement:
         """After a compiled placement that handed out row ids itself: the free list hands out
         what it took (one allocation a round, in turn, as :meth:`_place_free`'s), and the size
         and insert counters (``per_segment``: [S], the kernel's count per segment, or None) follow."""
-        for n in rounds:
-            self.free_list.allocate(n, borrow=True)
+        # Allocations in turn take what one allocation of their sum takes (reused ids first).
         placed = sum(rounds)
+        self.free_list.take(placed)
         self._size += placed
         self._count("inserts", n=placed, per_segment=per_segment)
 
