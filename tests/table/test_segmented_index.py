@@ -136,6 +136,41 @@ def test_segments_grow_on_their_own_and_keep_their_keys():
     assert set(r.evicted_segments.tolist()) == {0} and index.find(t([1, 2]), segments=t([2, 2]))[1].all()
 
 
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_a_full_segment_does_not_crowd_out_the_moves_of_another(backend):
+    # Segment 0 full, segment 1 nearly full; one call brings 120 new keys of segment 0 (ahead
+    # in priority order) and 8 of segment 1 whose buckets are full. No move can make room in
+    # a full segment (moves stay in their segment), so its keys are not tried: the moves that
+    # are tried serve segment 1, whose keys take its empty slots instead of evicting its keys.
+    # When segment 0's keys took the places tried (a few times the empty slots) and the call
+    # gave up the moves, segment 1's 8 keys all evicted (the rule before, docs/design/0045).
+    from dynemb.kernels import uses_native
+
+    if backend == "native" and not uses_native("native", "cpu"):
+        pytest.skip("compiled kernels could not be built")
+    g = torch.Generator().manual_seed(1)
+    index = KeyIndex(capacities=[256, 256], bucket_capacity=4, score_strategy="step", backend=backend)
+
+    def upsert(keys: torch.Tensor, seg: torch.Tensor, now: int):
+        order = torch.argsort(seg * (1 << 40) + keys)  # distinct pairs by segment, then key
+        keys, seg = keys[order], seg[order]
+        return index.upsert_unique(keys, torch.ones_like(keys), now=now, segments=seg)
+
+    zeros, ones = (lambda n: torch.zeros(n, dtype=torch.int64)), (lambda n: torch.ones(n, dtype=torch.int64))
+    upsert(torch.randperm(10**6, generator=g)[:400], zeros(400), 1)
+    upsert(torch.randperm(10**6, generator=g)[:246] + 10**7, ones(246), 1)
+    before = index.segment_sizes().tolist()
+    assert before[0] == 256 and before[1] < 256
+    new0 = torch.randperm(10**6, generator=g)[:120] + 2 * 10**7
+    new1 = torch.randperm(10**6, generator=g)[:8] + 3 * 10**7
+    r = upsert(torch.cat([new0, new1]), torch.cat([zeros(120), ones(8)]), 2)
+    after = index.segment_sizes().tolist()
+    assert r.failed_keys.numel() == 0 and int((r.evicted_segments == 0).sum()) == 120
+    # Segment 1 took new keys into empty slots (it grew), evicting fewer than all 8.
+    assert after[0] == 256 and after[1] > before[1]
+    assert int((r.evicted_segments == 1).sum()) == 8 - (after[1] - before[1]) < 8
+
+
 @pytest.mark.parametrize("init", [None, [16, 8, 64]])
 def test_state_round_trip(init):
     """A grown (or full-size) segmented index restores exactly, and then behaves bitwise as the

@@ -23,7 +23,7 @@ I64, PTR, F64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
 SIGNATURES = {
     "dyn_locate": "pipiippppipppiipi",
     "dyn_place_free": "pippppiiiipppippppipppi",
-    "dyn_insert_new": "pippiiiipiipppppiippiippppppiiiiipiiipip",
+    "dyn_insert_new": "pippiiiipiipppppiippiippppppiiiiipiiipipp",
     "dyn_dedup": "pippppppipi",
     "dyn_sort_unique": "pipppppppppi",
     "dyn_rows_at": "piipipi",
@@ -35,7 +35,7 @@ SIGNATURES = {
     "dyn_candidates": "ppppiippi",
     "dyn_make_room": "pippiipiiiipppppiiippppipipi",
     "dyn_follow": "ppipppi",
-    "dyn_place_rest": "pippiipiiiippppppipipppipiiipiipippi",
+    "dyn_place_rest": "pippiipiiiippppppipipppipiiipiipipppi",
     "dyn_evict_for": "pippiiiipppppipiipppppii",
     "dyn_evict_scratch_bytes": "iii",
     "dyn_upsert_found": "pippiiiipiippppippiipppppi",

@@ -19,7 +19,7 @@
 extern "C" int64_t dyn_place_rest(int64_t*, int64_t, uint8_t*, void*, int64_t, int64_t, void*, int64_t, int64_t, int64_t, int64_t, const int64_t*,
                                   const int64_t*, const int64_t*, const int64_t*, const int64_t*, const int64_t*, int64_t, int64_t*, int64_t, bool*, bool*,
                                   int64_t*, int64_t, int64_t*, int64_t, int64_t, int64_t, const int64_t*, int64_t, int64_t, int64_t*, int64_t, int64_t*,
-                                  int64_t*, int64_t);
+                                  int64_t*, int64_t*, int64_t);
 
 using namespace dynemb;
 
@@ -157,6 +157,7 @@ extern "C" int64_t dyn_insert_new(
     int64_t empty_slots,         // (with rest) the index's empty slots as the call starts
     int64_t depth, int64_t give_up,                   // (with rest) as dyn_place_rest's
     int64_t* allocations, int64_t max_allocations,    // (with rest) out: the row ids each of its placement rounds took
+    int64_t* seg_free,           // (with rest and seg) [S] in/out: each segment's empty slots, as dyn_place_rest's
     int64_t* tail) {             // [6] out (see above)
   for (int r = 0; r < MAX_ROUNDS; ++r) rounds[r] = 0;
   tail[0] = -2;
@@ -445,7 +446,7 @@ extern "C" int64_t dyn_insert_new(
     const int64_t code = dyn_place_rest(table_keys, key_step, tags, table_rows, row_bytes, row_step, table_scores, score_bytes, score_step, W, total_buckets,
                                         of_bucket, seg_counts, seg_offsets, new_keys, new_scores, seg ? new_seg : nullptr, M,
                                         pending, M, waiting, hopeful, pos, n_keys, new_pos, empty_slots - placed, depth, give_up, free_ids, top, high_water,
-                                        allocations, max_allocations, seg_placed, out, nthreads);
+                                        allocations, max_allocations, seg_placed, seg_free, out, nthreads);
     if (code == 0)
       // Every left place's slot and row id into the result.
       for (int64_t j = 0; j < n; ++j) {
@@ -465,7 +466,10 @@ extern "C" int64_t dyn_insert_new(
   // Each segment's placed keys (with segments every key comes once: a placed place has a slot).
   if (seg && seg_placed)
     for (int64_t t = 0; t < m; ++t)
-      if (pos[missing[t]] >= 0) ++seg_placed[seg[missing[t]]];
+      if (pos[missing[t]] >= 0) {
+        ++seg_placed[seg[missing[t]]];
+        if (seg_free) --seg_free[seg[missing[t]]];
+      }
   // The items left (those of no round, then those the last round left), in missing's order.
   const int64_t n_left = n_dead + n_todo;
   if (left_out && n_left) {

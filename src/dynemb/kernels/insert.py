@@ -78,6 +78,7 @@ def insert_new_native(
     per_segment: torch.Tensor | None = None,
     rest: tuple[int, int, int] | None = None,
     repeats: bool = True,
+    segment_free: torch.Tensor | None = None,
 ) -> Inserted | None:
     """Place the missing keys of one segment's index, in place; returns what was done
     (:class:`Inserted`: the rounds, the places they left, the rest's passes over those), or
@@ -104,6 +105,9 @@ def insert_new_native(
             places left go on to the rest's passes (:class:`Rest`); None: they are only reported.
         repeats: ``missing`` may repeat keys (then the rest's new keys are sorted by key);
             False: its keys are distinct and in priority order.
+        segment_free (Tensor[int64] | None): [S] with ``rest`` and ``seg``: each segment's
+            empty slots as the call starts, taken in place as keys are placed (the rest's passes
+            use them as :func:`dynemb.kernels.rest.place_rest_native` does).
     """
     keys, missing, free_ids = keys.contiguous(), missing.contiguous(), free_ids.contiguous()
     seg = None if seg is None else seg.contiguous()
@@ -149,6 +153,7 @@ def insert_new_native(
         give_up,
         ptr(small[MAX_ROUNDS + TAIL :]),
         max_allocations,
+        ptr(segment_free if seg is not None else None),
         ptr(small[MAX_ROUNDS:]),
     )
     if left < 0:

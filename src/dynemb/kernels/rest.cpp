@@ -50,6 +50,9 @@ extern "C" int64_t dyn_place_rest(
     const int64_t* free_ids, int64_t top, int64_t high_water,  // the free list (FreeList.reusable, high_water)
     int64_t* allocations, int64_t max_allocations,             // out: row ids taken by each placement round, in turn
     int64_t* seg_placed,                  // [S] or null (with seg): each segment's placed keys are added
+    int64_t* seg_free,                    // [S] in/out or null (with seg): each segment's empty slots; the
+                                          // pending keys of a segment with none are not tried (no move
+                                          // leaves its segment, so none can make room for them)
     int64_t* out,                         // [4] out
     int64_t nthreads) {
   const IntCol slot_rows(table_rows, row_bytes, row_step);
@@ -74,6 +77,10 @@ extern "C" int64_t dyn_place_rest(
     while (to_place.empty()) {
       // The hopeful pending keys, at most four times as many as there are free slots.
       tried.clear();
+      // Keys of a full segment first lose hope (docs/design/0045, sixteenth session).
+      if (seg && seg_free)
+        for (int64_t k = 0; k < n_pending; ++k)
+          if (seg_free[seg[pending[k]]] <= 0) hopeful[pending[k]] = false;
       for (int64_t k = 0; k < n_pending && static_cast<int64_t>(tried.size()) < 4 * free_slots; ++k)
         if (hopeful[pending[k]]) tried.push_back(pending[k]);
       const int64_t p = static_cast<int64_t>(tried.size());
@@ -146,6 +153,7 @@ extern "C" int64_t dyn_place_rest(
       if (place_pos[i] < 0) continue;
       new_pos[to_place[i]] = place_pos[i];
       waiting[to_place[i]] = false;
+      if (seg && seg_free) --seg_free[place_seg[i]];
     }
     int64_t kept = 0;
     for (int64_t k2 = 0; k2 < n_pending; ++k2)

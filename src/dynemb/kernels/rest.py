@@ -42,6 +42,7 @@ def place_rest_native(
     free_ids: torch.Tensor,
     high_water: int,
     per_segment: torch.Tensor | None = None,
+    segment_free: torch.Tensor | None = None,
 ) -> tuple[int, torch.Tensor, bool, list[int], int]:
     """Place the ``pending`` new keys by cuckoo moves and free slots, in place.
 
@@ -60,6 +61,9 @@ def place_rest_native(
             stop for the call after a pass that made room for fewer than 1 in ``give_up`` keys.
         free_ids (Tensor[int64]): the free list's reusable ids; high_water: its first fresh id.
         per_segment (Tensor[int64] | None): [S] with ``seg``: each segment's placed keys are added.
+        segment_free (Tensor[int64] | None): [S] with ``seg``, contiguous: each segment's empty
+            slots, taken in place as keys are placed; the pending keys of a segment with none
+            lose hope before a pass (as ``BatchPlacement._hope_in_room``).
     Returns:
         (code, pending, gave_up, allocations, placed): 0 every key placed; 1 the last pass had no
         key to place (the caller goes on with displacement, then eviction); 2 handed back after
@@ -104,6 +108,7 @@ def place_rest_native(
         ptr(allocations),
         allocations.numel(),
         ptr(per_segment),
+        ptr(segment_free if seg is not None else None),
         ptr(out),
         threads(),
     )

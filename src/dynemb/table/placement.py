@@ -248,6 +248,7 @@ class BatchPlacement:
             else:
                 to_place = pending[:0]
                 while to_place.numel() == 0:
+                    self._hope_in_room(hopeful, pending, new_seg)
                     # No more than the free slots can be filled: trying a few times as many keys
                     # at once bounds the cost of displacement when the index is nearly full.
                     tried = pending[hopeful.index_select(0, pending)][: 4 * (self.current_capacity() - self._size)]
@@ -285,6 +286,24 @@ class BatchPlacement:
             pending = waiting.nonzero().squeeze(1)
             if pending.numel() == 0:
                 return pos, new_pos, pending, widened
+
+    def _segment_free(self) -> torch.Tensor | None:
+        """Empty slots of each segment ([S] int64, a new tensor), or None for one segment."""
+        if self._segment_size is None:
+            return None
+        return self._segments.counts * self.bucket_capacity - self._segment_size
+
+    def _hope_in_room(self, hopeful: torch.Tensor, pending: torch.Tensor, new_seg: torch.Tensor | None) -> None:
+        """Before a pass of moves: the pending keys (ranks into ``hopeful`` [M]) of a segment
+        with no empty slot lose hope, in place. Every move stays within its key's segment, so
+        none could make room for them; trying them would only take the places of keys of
+        other segments among those tried (docs/design/0045). A segment that fills stays full
+        for the rest of the call (growth, where it can, comes before the moves)."""
+        free = None if new_seg is None else self._segment_free()
+        if free is None or pending.numel() == 0:
+            return
+        full = free.index_select(0, new_seg.index_select(0, pending)) <= 0
+        hopeful.index_fill_(0, pending[full], False)
 
     def _place_rest_native(
         self,
@@ -324,6 +343,7 @@ class BatchPlacement:
             free.reusable(),
             free.high_water,
             per_segment,
+            None if new_seg is None else self._segment_free(),
         )
         # Each allocation is one placement round's keys: their sum is the keys placed.
         self._commit_rounds(allocations, per_segment)
@@ -522,6 +542,7 @@ class BatchPlacement:
             per_segment,
             rest=rest,
             repeats=not distinct,
+            segment_free=None if seg is None or rest is None else self._segment_free(),
         )
         if got is None:
             return None
