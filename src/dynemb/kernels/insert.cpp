@@ -20,6 +20,8 @@ extern "C" int64_t dyn_place_rest(int64_t*, int64_t, uint8_t*, void*, int64_t, i
                                   const int64_t*, const int64_t*, const int64_t*, const int64_t*, const int64_t*, int64_t, int64_t*, int64_t, bool*, bool*,
                                   int64_t*, int64_t, int64_t*, int64_t, int64_t, int64_t, const int64_t*, int64_t, int64_t, int64_t*, int64_t, int64_t*,
                                   int64_t*, int64_t*, int64_t);
+extern "C" int64_t dyn_sort_unique(const int64_t*, int64_t, int64_t*, int64_t*, int64_t*, int64_t*, int64_t*, const int64_t*, int64_t*, int64_t*,
+                                   int64_t*, int64_t);
 
 using namespace dynemb;
 
@@ -415,18 +417,12 @@ extern "C" int64_t dyn_insert_new(
     int64_t M = 0;
     if (sort_keys) {
       // The distinct keys ascending (priority order under one clock value), each at its first
-      // place; spread: each place's key (as sort_unique_first).
-      std::vector<int64_t> by(n);
-      for (int64_t j = 0; j < n; ++j) by[j] = j;
-      std::stable_sort(by.begin(), by.end(), [&](int64_t a, int64_t b) { return keys[left[a]] < keys[left[b]]; });
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t j = by[i], key = keys[left[j]];
-        if (M == 0 || new_keys[M - 1] != key) {
-          new_keys[M] = key;
-          first[M++] = left[j];
-        }
-        spread[j] = M - 1;
-      }
+      // place; spread: each place's key. The kernel of sort_unique_first_native, which the
+      // caller ran on these places before (dedup.cpp).
+      std::vector<int64_t> left_keys(n), counts(n), at(n), sort_scratch(2 * n);
+      for (int64_t j = 0; j < n; ++j) left_keys[j] = keys[left[j]];
+      M = dyn_sort_unique(left_keys.data(), n, new_keys, spread, counts.data(), nullptr, sort_scratch.data(), nullptr, nullptr, nullptr, at.data(), nthreads);
+      for (int64_t i = 0; i < M; ++i) first[i] = left[at[i]];
     } else {
       for (int64_t j = 0; j < n; ++j) {
         new_keys[j] = keys[left[j]];

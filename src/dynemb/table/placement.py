@@ -553,8 +553,8 @@ class BatchPlacement:
         return got
 
     def _commit_rounds(self, rounds: list[int], per_segment: torch.Tensor | None) -> None:
-        """After a compiled placement that handed out row ids itself: the free list hands out
-        what it took (one allocation a round, in turn, as :meth:`_place_free`'s), and the size
+        """After a compiled placement that handed out row ids itself (one allocation a round, in
+        turn, as :meth:`_place_free`'s): the free list takes what it handed out, and the size
         and insert counters (``per_segment``: [S], the kernel's count per segment, or None) follow."""
         # Allocations in turn take what one allocation of their sum takes (reused ids first).
         placed = sum(rounds)
