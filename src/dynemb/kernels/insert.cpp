@@ -41,6 +41,12 @@ static constexpr int64_t SCRATCH_PER_KEY = ROUNDS_PER_KEY + REST_PER_KEY;
 
 namespace {
 
+// An item of the first round as its choice is made: its key, place and free-slot info side by
+// side, so that the gather by bucket reads one line per item.
+struct alignas(32) Rec {
+  int64_t key, place, info, unused;
+};
+
 constexpr uint64_t NONE = ~uint64_t(0) << ITEM_BITS;  // the bucket part of an item that tries none
 
 // What phase (A) of a round reads and writes (see there), as plain pointers: a loop over them
@@ -58,6 +64,7 @@ struct Share {
   uint64_t span;  // ranges: (bucket * span) >> 32
   int rt;         // ranges of buckets (range rt: the items that try none)
   int64_t* info;
+  Rec* rec;  // [m] (the first round): each item's key, place and info
   uint64_t* sort_buffer;
   int64_t* mine;  // [rt + 1] entries per range, added to
 };
@@ -91,11 +98,18 @@ void choose(const Share& sh, int64_t lo, int64_t hi) {
     }
     uint64_t entry = NONE | static_cast<uint64_t>(k);
     int range = sh.rt;
+    int64_t info = 0;
     if (c >= 0) {
       const uint64_t bucket = static_cast<uint64_t>(choice_bucket(c));
       entry = bucket << ITEM_BITS | static_cast<uint64_t>(k);
-      sh.info[k] = choice_count(c) | choice_first(c) << 32;
+      info = choice_count(c) | choice_first(c) << 32;
       range = static_cast<int>((bucket * sh.span) >> 32);
+    }
+    if constexpr (FIRST) {
+      const int64_t place = sh.missing[k];
+      sh.rec[k] = Rec{sh.keys[place], place, info, 0};
+    } else {
+      sh.info[k] = info;
     }
     sh.sort_buffer[k] = entry;
     ++per_range[range];
@@ -182,6 +196,9 @@ extern "C" int64_t dyn_insert_new(
   // every later round (placing only takes slots), so they wait no more rounds.
   int64_t* dead = next_item + m;
   int64_t n_dead = 0;
+  // The first round's records, in the rest's part of the scratch (used only after the rounds),
+  // aligned to their size.
+  Rec* rec = reinterpret_cast<Rec*>((reinterpret_cast<uintptr_t>(scratch + ROUNDS_PER_KEY * m) + alignof(Rec) - 1) & ~uintptr_t(alignof(Rec) - 1));
   const KeyCol slot_keys(table_keys, key_step);
   const IntCol slot_scores(table_scores, score_bytes, score_step);
   const IntCol slot_rows(table_rows, row_bytes, row_step);
@@ -249,7 +266,7 @@ extern "C" int64_t dyn_insert_new(
       int64_t mine[MAX_THREADS + 1] = {};
       // (A) The bucket each item of this thread's share tries, from both candidates' free slots
       // as the round starts (in the first round as the probe read them).
-      const Share share{keys, missing, tkey, tplace, pre_choice, tags, W, &cand, other, span, rt, info, sort_buffer, mine};
+      const Share share{keys, missing, tkey, tplace, pre_choice, tags, W, &cand, other, span, rt, info, rec, sort_buffer, mine};
       if (round_no > 0)
         choose<false, false>(share, lo, hi);
       else if (given)
@@ -297,17 +314,11 @@ extern "C" int64_t dyn_insert_new(
       auto bucket_ends = [&](int64_t e) { return e + 1 == ehi || bucket_of_entry(order[e + 1]) != bucket_of_entry(order[e]); };
       if (round_no == 0) {
         for (int64_t e = elo; e < ehi; ++e) {
-          if (e + AHEAD < ehi) {
-            const int64_t ahead = static_cast<int64_t>(order[e + AHEAD] & ITEM_MASK);
-            __builtin_prefetch(missing + ahead);
-            __builtin_prefetch(info + ahead);
-          }
-          // The key of an entry half as far ahead, once its place has arrived.
-          if (e + AHEAD / 2 < ehi) __builtin_prefetch(keys + missing[order[e + AHEAD / 2] & ITEM_MASK]);
-          const int64_t k = static_cast<int64_t>(order[e] & ITEM_MASK);
-          eplace[e] = missing[k];
-          ekey[e] = keys[eplace[e]];
-          einfo[e] = info[k];
+          if (e + AHEAD < ehi) __builtin_prefetch(rec + (order[e + AHEAD] & ITEM_MASK));
+          const Rec& item_rec = rec[order[e] & ITEM_MASK];
+          eplace[e] = item_rec.place;
+          ekey[e] = item_rec.key;
+          einfo[e] = item_rec.info;
           if (bucket_ends(e)) close_bucket(e + 1);
         }
       } else {
