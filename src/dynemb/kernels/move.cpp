@@ -6,6 +6,7 @@
 // BatchPlacement._make_room around it: P pending keys in, whether each has room now out.
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -89,13 +90,13 @@ struct Mover {
     }
     // Movable keys by target bucket (stable), each taking its target's first free slot now,
     // which is the twin's rank-th free slot of the call's starting state.
-    std::vector<int64_t> movable;
+    // (target, f) pairs: sorted as pairs, ties in f's order (no two pairs are equal).
+    std::vector<std::pair<int64_t, int64_t>> movable;
     for (int64_t f = 0; f < F; ++f)
-      if (best_free[f] > 0) movable.push_back(f);
-    std::stable_sort(movable.begin(), movable.end(), [&](int64_t x, int64_t y) { return alt[x * W + best[x]] < alt[y * W + best[y]]; });
+      if (best_free[f] > 0) movable.emplace_back(alt[f * W + best[f]], f);
+    std::sort(movable.begin(), movable.end());
     int64_t n_moves = 0;
-    for (int64_t f : movable) {
-      const int64_t target = alt[f * W + best[f]];
+    for (const auto& [target, f] : movable) {
       int64_t dst = -1;
       for (int64_t j = 0; j < W && dst < 0; ++j)
         if (!tags[target * W + j]) dst = target * W + j;
