@@ -113,7 +113,8 @@ class Workspace:
             buf = entry[0] = empty((max(rows, 1), *shape), dtype=dtype, device=self.device)
         elif _POISON:
             poison_(buf[:rows])
-        return buf[:rows]
+        # The whole buffer when it is the size asked for (a view costs a tensor operation).
+        return buf if buf.shape[0] == rows else buf[:rows]
 
     def nbytes(self) -> int:
         """Bytes held by all buffers."""

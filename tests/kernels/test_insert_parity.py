@@ -33,7 +33,7 @@ class Counting:
             got = original(index, *args)
             if got is None:
                 self.refused += 1
-            elif got.left.numel():
+            elif got.left is not None:
                 self.left_some += 1
                 if got.rest is not None:
                     self.rest_placed += got.rest.code == 0

@@ -55,7 +55,7 @@ class Inserted(NamedTuple):
     """What :func:`insert_new_native` did."""
 
     rounds: list[int]  # slots each round took (the free list's allocations to commit, in turn)
-    left: torch.Tensor  # [left] the places left without a slot by the rounds, in ``missing``'s order (a workspace view)
+    left: torch.Tensor | None  # [left] the places left without a slot by the rounds, in ``missing``'s order (a workspace view); None: none left
     rest: Rest | None  # the rest's passes over them, where asked and some were left
 
 
@@ -162,17 +162,19 @@ def insert_new_native(
     # costs tens of microseconds: perf-log, sixteenth session).
     out = small.tolist()
     rounds, (code, M, P, gave_up, n_alloc, _) = [r for r in out[:MAX_ROUNDS] if r], out[MAX_ROUNDS : MAX_ROUNDS + TAIL]
+    # No view made where none is left (a tensor operation here costs tens of microseconds).
+    left_view = left_places[:left] if left else None
     if code == -2:
-        return Inserted(rounds, left_places[:left], None)
+        return Inserted(rounds, left_view, None)
     allocations = out[MAX_ROUNDS + TAIL : MAX_ROUNDS + TAIL + n_alloc]
     if code == 0:
-        return Inserted(rounds, left_places[:left], Rest(0, allocations, bool(gave_up)))
+        return Inserted(rounds, left_view, Rest(0, allocations, bool(gave_up)))
     # The state the caller goes on from (insert.cpp's layout).
     state = scratch[ROUNDS_PER_KEY * m :].view(REST_PER_KEY, m)
     new_keys, first, spread, new_pos, pending = (state[i] for i in range(5))
     flags = state[7].view(torch.bool)
     return Inserted(
         rounds,
-        left_places[:left],
+        left_view,
         Rest(code, allocations, bool(gave_up), new_keys[:M], first[:M], spread[:left], new_pos[:M], pending[:P], flags[:M], flags[m : m + M]),
     )

@@ -21,6 +21,7 @@ keys in different segments are different entries. See docs/design/0013 and 0025.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -52,6 +53,12 @@ __all__ = [
     "rounded_capacity",
     "unique_pairs",
 ]
+
+
+def _mutable():
+    """A context in which the index's tensors may be written: outside inference mode (entered
+    only where the caller is in it; entering costs a call tens of microseconds)."""
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
 
 
 def _positive_int(name: str, value) -> int:
@@ -397,9 +404,10 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
             # One clock value for every key: probe the keys as they come and sort only the
             # missing ones (most keys of a call are usually present); same slots, rows and
             # result as through upsert_unique (0040).
-            batch_scores = self._batch_scores(flat, None if now is None else check_now(now), None)
-            with torch.inference_mode(False):
-                return self._upsert(flat, flat, batch_scores, True, seg, distinct=False)
+            now = None if now is None else check_now(now)
+            batch_scores = self._batch_scores(flat, now, None)
+            with _mutable():
+                return self._upsert(flat, flat, batch_scores, True, seg, distinct=False, clock=now)
         unique, useg, inverse, counts = self._dedup(flat, seg)
         given = None
         if scores is not None:
@@ -461,7 +469,7 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
         seg = self._check_segments(segments, unique.numel())
         batch_scores = self._batch_scores(counts, now, given)
         # Every tensor the index keeps is written here: mutate outside inference mode.
-        with torch.inference_mode(False):
+        with _mutable():
             return self._upsert(unique, counts, batch_scores, given is None, seg)
 
     def erase(self, keys: torch.Tensor, *, segments: torch.Tensor | None = None) -> IndexResult:

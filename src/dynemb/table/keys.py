@@ -26,6 +26,8 @@ def check_keys(keys: torch.Tensor, name: str, device: torch.device) -> torch.Ten
         raise TypeError(f"{name}.dtype={keys.dtype}: must be torch.int64 (or int32)")
     if keys.device != device:
         raise ValueError(f"{name}.device={keys.device}: the table lives on {device}")
+    if keys.dim() == 1 and keys.dtype == torch.int64:
+        return keys  # already flat int64: no view to make (a call's first tensor operations cost most)
     return keys.reshape(-1).to(torch.int64)
 
 

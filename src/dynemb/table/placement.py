@@ -65,13 +65,21 @@ class BatchPlacement:
     writes the index's tensors ``_keys``, ``_tags``, ``_rows``, ``_scores``)."""
 
     def _upsert(
-        self, unique: torch.Tensor, counts: torch.Tensor, batch_scores: torch.Tensor, own: bool, seg: torch.Tensor | None = None, distinct: bool = True
+        self,
+        unique: torch.Tensor,
+        counts: torch.Tensor,
+        batch_scores: torch.Tensor,
+        own: bool,
+        seg: torch.Tensor | None = None,
+        distinct: bool = True,
+        clock: int | None = None,
     ) -> IndexResult:
         """upsert_unique after argument checks; ``own``: the scores are the strategy's (not given);
         ``seg``: [U] segment of each key (segmented indexes). ``distinct=False`` (own clocked
         scores only): ``unique`` may repeat keys; the probe takes them all and only the missing
         ones are de-duplicated, so a call whose keys are mostly present skips sorting them all
-        (0040). The result is then over the keys as given."""
+        (0040). The result is then over the keys as given. ``clock``: the one score of every key
+        (own clocked scores), where the caller has it as an int (else read from ``batch_scores``)."""
         lfu_add = own and self.strategy is ScoreStrategy.LFU
         # With one clock value for every key, priority order is already that of the keys.
         uniform = own and self.strategy in CLOCKED
@@ -90,8 +98,9 @@ class BatchPlacement:
         # Where the compiled insert's rest passes left keys pending: the state to go on from.
         rest = None
         if uniform and self.native and missing.numel() and (distinct or seg is None) and self._places_without_growth(missing.numel(), _pick(seg, missing)):
-            got = self._insert_new_native(unique, seg, missing, batch_scores, pos, found_rows, pre_free, distinct)
-            if got is not None and (got.left.numel() == 0 or (got.rest is not None and got.rest.code == 0)):
+            score = int(batch_scores[0]) if clock is None else clock
+            got = self._insert_new_native(unique, seg, missing, score, pos, found_rows, pre_free, distinct)
+            if got is not None and (got.left is None or (got.rest is not None and got.rest.code == 0)):
                 # Every new key placed, with its slot and row id in the result: nothing evicted or failed.
                 none = unique[:0]
                 no_seg = none if self.segmented else None
@@ -506,7 +515,7 @@ class BatchPlacement:
         keys: torch.Tensor,
         seg: torch.Tensor | None,
         missing: torch.Tensor,
-        batch_scores: torch.Tensor,
+        score: int,
         pos: torch.Tensor,
         rows: torch.Tensor,
         pre_free: torch.Tensor | None,
@@ -517,11 +526,10 @@ class BatchPlacement:
         :func:`dynemb.kernels.insert.insert_new_native`): the new keys it places get their slots
         and row ids, in the index and in ``pos`` / ``rows``. Where the index cannot grow, the
         places it leaves go on in the same call to the passes :meth:`_place_rest` would make
-        first (:meth:`_place_rest_native`'s). Returns its
+        first (:meth:`_place_rest_native`'s); ``score``: the clock value, every new key's. Returns its
         :class:`dynemb.kernels.insert.Inserted` (the row ids it handed out committed), or None
         where the kernel cannot take the call (nothing was done)."""
         free = self.free_list
-        score = int(batch_scores[0])
         # The kernel counts each segment's placed keys (no slot -> segment mapping afterwards).
         per_segment = None if seg is None else torch.zeros(self.num_segments, dtype=torch.int64)
         tables = (self._keys, self._tags, self._scores, self._rows)
