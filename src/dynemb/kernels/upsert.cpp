@@ -31,7 +31,8 @@ extern "C" int64_t dyn_upsert_found(
     const int64_t* keys,           // [U] distinct
     const int64_t* seg, const int64_t* seg_counts, const int64_t* seg_offsets,
     int64_t n,
-    const int64_t* batch_scores,   // [U] this call's score of each key
+    const int64_t* batch_scores,   // [U] this call's score of each key (key i's at i * score_stride)
+    int64_t score_stride,          // 1, or 0 where every key has the one score batch_scores[0]
     const int64_t* counts,         // [U] occurrences (the lfu increment)
     int64_t lfu_add,               // found keys add counts to their score (saturating)
     int64_t uniform,               // every key has the same score: priority = key order
@@ -48,7 +49,7 @@ extern "C" int64_t dyn_upsert_found(
     // Every score written is one of the batch's: check they fit before the probe, then write
     // the found keys' scores in the probe's parallel blocks (distinct keys, distinct slots).
     if (score_bytes == 4)
-      for (int64_t i = 0; i < n; ++i)
+      for (int64_t i = 0; i < (score_stride ? n : 1); ++i)
         if (batch_scores[i] < I32_MIN || batch_scores[i] > I32_MAX) return -1;
     Candidates cand{seg, seg_counts, seg_offsets, total_buckets};
     const int64_t blocks = (n + PROBE_BLOCK - 1) / PROBE_BLOCK;
@@ -63,7 +64,7 @@ extern "C" int64_t dyn_upsert_found(
         probe_block(slot_keys, tags, W, cand, keys + lo, lo, len, at, &scores);
       for (int64_t i = 0; i < len; ++i) {
         found[lo + i] = at[i] >= 0;
-        if (at[i] >= 0) scores.set(at[i], batch_scores[lo + i]);
+        if (at[i] >= 0) scores.set(at[i], batch_scores[(lo + i) * score_stride]);
         if (rows_out) rows_out[lo + i] = at[i] >= 0 ? rows.get(at[i]) : -1;
       }
     }
@@ -71,7 +72,7 @@ extern "C" int64_t dyn_upsert_found(
     for (int64_t i = 0; i < n; ++i)
       if (!found[i]) missing[m++] = i;
     if (!uniform)
-      std::stable_sort(missing, missing + m, [&](int64_t a, int64_t b) { return batch_scores[a] > batch_scores[b]; });
+      std::stable_sort(missing, missing + m, [&](int64_t a, int64_t b) { return batch_scores[a * score_stride] > batch_scores[b * score_stride]; });
     return m;
   }
   dyn_locate(table_keys, key_step, tags, W, total_buckets, keys, seg, seg_counts, seg_offsets, n, pos, found, table_rows, row_bytes, row_step,
@@ -84,7 +85,7 @@ extern "C" int64_t dyn_upsert_found(
     // As KeyIndex._fit_scores: every score of the call (the batch's, and lfu's sums) must fit.
     bool fits = true;
     for (int64_t i = 0; i < n && fits; ++i) {
-      const int64_t s = batch_scores[i];
+      const int64_t s = batch_scores[i * score_stride];
       fits = s >= I32_MIN && s <= I32_MAX;
       if (fits && found[i]) {
         const int64_t t = new_score(i);
@@ -102,6 +103,6 @@ extern "C" int64_t dyn_upsert_found(
     scores.set(pos[i], new_score(i));
   }
   if (!uniform)
-    std::stable_sort(missing, missing + m, [&](int64_t a, int64_t b) { return batch_scores[a] > batch_scores[b]; });
+    std::stable_sort(missing, missing + m, [&](int64_t a, int64_t b) { return batch_scores[a * score_stride] > batch_scores[b * score_stride]; });
   return m;
 }

@@ -45,7 +45,8 @@ def found_and_missing_native(
             [B, W] the index's slots; the found keys' scores are written in place.
         segments: the index's :class:`dynemb.table.geometry.Segments`.
         keys (Tensor[int64]): [U] distinct; seg (Tensor[int64] | None): [U] their segments.
-        batch_scores, counts (Tensor[int64]): [U] this call's score and count of each key.
+        batch_scores, counts (Tensor[int64]): [U] this call's score and count of each key (the
+            scores may be a stride-0 view of one value).
         workspace: a :class:`dynemb.workspace.Workspace` or None; with one, ``missing`` (and
             the free slots below) are views of its buffers, valid until the next call with it.
         free_info: also return, for each missing key, the first placement round's choice
@@ -55,7 +56,12 @@ def found_and_missing_native(
             and :func:`dynemb.kernels.insert.insert_new_native`; None when not asked for, with
             ``lfu_add`` or with buckets too wide to pack.
     """
-    keys, batch_scores, counts = keys.contiguous(), batch_scores.contiguous(), counts.contiguous()
+    keys, counts = keys.contiguous(), counts.contiguous()
+    # One score for every key may come as a stride-0 view (KeyIndex._batch_scores): read as such.
+    if batch_scores.numel() > 1 and batch_scores.stride(0) == 0:
+        score_stride = 0
+    else:
+        batch_scores, score_stride = batch_scores.contiguous(), 1
     seg = None if seg is None else seg.contiguous()
     n = keys.numel()
     pos = torch.empty(n, dtype=torch.int64)
@@ -76,6 +82,7 @@ def found_and_missing_native(
         None if seg is None else ptr(segments.offsets),
         n,
         ptr(batch_scores),
+        score_stride,
         ptr(counts),
         int(lfu_add),
         int(uniform),

@@ -381,7 +381,9 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
             raise ValueError("score_strategy='customized' needs scores=: the caller gives every key's score")
         if now is None:
             raise ValueError(f"now=None: score_strategy='{self.strategy}' scores keys by the clock; pass now=")
-        return torch.full_like(counts, now)
+        # One value for every key: a stride-0 view (no [U] tensor to fill; the kernels read it as
+        # such, torch reads it as any tensor, and nothing writes into it).
+        return torch.full((1,), now, dtype=torch.int64, device=counts.device).expand(counts.numel())
 
     def find_or_insert(
         self, keys: torch.Tensor, *, now: int | None = None, scores: torch.Tensor | None = None, segments: torch.Tensor | None = None
