@@ -44,7 +44,7 @@ namespace {
 // An item of the first round as its choice is made: its key, place and free-slot info side by
 // side, so that the gather by bucket reads one line per item.
 struct alignas(32) Rec {
-  int64_t key, place, info, unused;
+  int64_t key, place, info;
 };
 
 constexpr uint64_t NONE = ~uint64_t(0) << ITEM_BITS;  // the bucket part of an item that tries none
@@ -107,7 +107,7 @@ void choose(const Share& sh, int64_t lo, int64_t hi) {
     }
     if constexpr (FIRST) {
       const int64_t place = sh.missing[k];
-      sh.rec[k] = Rec{sh.keys[place], place, info, 0};
+      sh.rec[k] = Rec{sh.keys[place], place, info};
     } else {
       sh.info[k] = info;
     }

@@ -21,7 +21,6 @@ keys in different segments are different entries. See docs/design/0013 and 0025.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -40,7 +39,7 @@ from dynemb.table.placement import CLOCKED, GIVE_UP, MOVE_DEPTH, BatchPlacement
 from dynemb.table.report import IndexReport
 from dynemb.table.state import COUNTERS, SEGMENT_COUNTERS, IndexState
 from dynemb.types import ScoreStrategy
-from dynemb.workspace import Workspace, huge_pages_zeros
+from dynemb.workspace import Workspace, huge_pages_zeros, writable
 
 __all__ = [
     "GIVE_UP",
@@ -53,12 +52,6 @@ __all__ = [
     "rounded_capacity",
     "unique_pairs",
 ]
-
-
-def _mutable():
-    """A context in which the index's tensors may be written: outside inference mode (entered
-    only where the caller is in it; entering costs a call tens of microseconds)."""
-    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
 
 
 def _positive_int(name: str, value) -> int:
@@ -408,7 +401,7 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
             # result as through upsert_unique (0040).
             now = None if now is None else check_now(now)
             batch_scores = self._batch_scores(flat, now, None)
-            with _mutable():
+            with writable():
                 return self._upsert(flat, flat, batch_scores, True, seg, distinct=False, clock=now)
         unique, useg, inverse, counts = self._dedup(flat, seg)
         given = None
@@ -471,8 +464,8 @@ class KeyIndex(BatchPlacement, Growth, IndexState, IndexReport):
         seg = self._check_segments(segments, unique.numel())
         batch_scores = self._batch_scores(counts, now, given)
         # Every tensor the index keeps is written here: mutate outside inference mode.
-        with _mutable():
-            return self._upsert(unique, counts, batch_scores, given is None, seg)
+        with writable():
+            return self._upsert(unique, counts, batch_scores, given is None, seg, clock=now)
 
     def erase(self, keys: torch.Tensor, *, segments: torch.Tensor | None = None) -> IndexResult:
         """Remove keys and give their row ids back to the free list.

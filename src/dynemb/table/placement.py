@@ -78,8 +78,8 @@ class BatchPlacement:
         ``seg``: [U] segment of each key (segmented indexes). ``distinct=False`` (own clocked
         scores only): ``unique`` may repeat keys; the probe takes them all and only the missing
         ones are de-duplicated, so a call whose keys are mostly present skips sorting them all
-        (0040). The result is then over the keys as given. ``clock``: the one score of every key
-        (own clocked scores), where the caller has it as an int (else read from ``batch_scores``)."""
+        (0040). The result is then over the keys as given. ``clock``: the call's ``now`` (under
+        own clocked scores, every key's score, given as the int it is)."""
         lfu_add = own and self.strategy is ScoreStrategy.LFU
         # With one clock value for every key, priority order is already that of the keys.
         uniform = own and self.strategy in CLOCKED
@@ -98,8 +98,7 @@ class BatchPlacement:
         # Where the compiled insert's rest passes left keys pending: the state to go on from.
         rest = None
         if uniform and self.native and missing.numel() and (distinct or seg is None) and self._places_without_growth(missing.numel(), _pick(seg, missing)):
-            score = int(batch_scores[0]) if clock is None else clock
-            got = self._insert_new_native(unique, seg, missing, score, pos, found_rows, pre_free, distinct)
+            got = self._insert_new_native(unique, seg, missing, clock, pos, found_rows, pre_free, distinct)
             if got is not None and (got.left is None or (got.rest is not None and got.rest.code == 0)):
                 # Every new key placed, with its slot and row id in the result: nothing evicted or failed.
                 none = unique[:0]
