@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.utils.dlpack
 
-from dynemb.workspace import Recycler
+from dynemb.workspace import Recycler, Workspace, poison_enabled, set_poison
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -102,3 +102,22 @@ def test_collection_outputs_reuse_memory_only_when_dropped():
     # The same as an eval lookup of the same ids (the rows did not change in between).
     col.eval()
     torch.testing.assert_close(col(batch(2)).concat, third.concat.detach())
+
+
+def test_large_buffers_are_poisoned_and_reused_like_small_ones():
+    # Buffers of 4 MiB and more are asked for 2 MiB pages before first touch (the kernels'
+    # scratch is read at random); they must behave as any other buffer.
+    was = poison_enabled()
+    set_poison(True)
+    try:
+        ws = Workspace(torch.device("cpu"))
+        rows = (6 << 20) // 8 + 3  # 6 MiB and a bit of int64: not a whole number of 2 MiB pages
+        big = ws.get("big", rows, (), torch.int64)
+        assert big.shape == (rows,) and big.dtype == torch.int64
+        assert bool((big == -0x5A5A5A5A5A5A5A5A).all())  # poisoned, as small buffers are
+        big.fill_(7)
+        again = ws.get("big", rows - 10, (), torch.int64)
+        assert again.data_ptr() == big.data_ptr() and again.shape == (rows - 10,)
+        assert bool((again == -0x5A5A5A5A5A5A5A5A).all())  # poisoned again on reuse
+    finally:
+        set_poison(was)

@@ -72,7 +72,12 @@ def huge_pages_zeros(shape: tuple[int, ...], *, dtype: torch.dtype, device: torc
     touched): for tables read at random, such as the index's slots, whose 4 KiB pages would
     miss the TLB on nearly every access (docs/design/0041). Elsewhere, or where the system
     refuses (transparent huge pages off), plain memory."""
-    t = torch.empty(shape, dtype=dtype, device=device)
+    return _huge_pages(torch.empty(shape, dtype=dtype, device=device)).zero_()
+
+
+def _huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """``t``, fresh and untouched, with Linux asked to back the 2 MiB-aligned part of its memory
+    with 2 MiB pages where it is on CPU and large (see huge_pages_zeros)."""
     nbytes = t.numel() * t.element_size()
     if _madvise is not None and t.device.type == "cpu" and nbytes >= 2 * HUGE_PAGE:
         first = t.data_ptr()
@@ -80,7 +85,7 @@ def huge_pages_zeros(shape: tuple[int, ...], *, dtype: torch.dtype, device: torc
         end = (first + nbytes) & ~(HUGE_PAGE - 1)
         if end > start:
             _madvise(start, end - start, _MADV_HUGEPAGE)  # EINVAL where THP is off: nothing to do
-    return t.zero_()
+    return t
 
 
 def empty(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -110,7 +115,10 @@ class Workspace:
                 buf = None
             entry[1] = entry[2] = 0
         if buf is None or buf.shape[0] < rows:
-            buf = entry[0] = empty((max(rows, 1), *shape), dtype=dtype, device=self.device)
+            # On 2 MiB pages where large: the kernels' scratch is read and written at random
+            # (perf-log, eighteenth session).
+            with torch.inference_mode(False):
+                buf = entry[0] = poison_(_huge_pages(torch.empty((max(rows, 1), *shape), dtype=dtype, device=self.device)))
         elif _POISON:
             poison_(buf[:rows])
         # The whole buffer when it is the size asked for (a view costs a tensor operation).
