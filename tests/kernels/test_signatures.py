@@ -42,3 +42,13 @@ def test_the_parser_sees_every_exported_kernel():
     defined = definitions()
     assert len(defined) >= 10
     assert set(defined) <= set(SIGNATURES), f"exported but not typed: {sorted(set(defined) - set(SIGNATURES))}"
+
+
+def test_the_build_cache_key_follows_the_compiler_flags(monkeypatch):
+    # A library built with other flags is another library: a flag changed in build.py must not
+    # load the one cached under the old flags.
+    from dynemb.kernels import build
+
+    before = build.source_hash()
+    monkeypatch.setattr(build, "CFLAGS", [*build.CFLAGS, "-DDYNEMB_OTHER_FLAGS"])
+    assert build.source_hash() != before

@@ -49,8 +49,12 @@ def sources() -> list[Path]:
     return sorted(HERE.glob("*.cpp"))
 
 
+# The compiler's flags, part of the cache key with the sources.
+CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
+
+
 def source_hash() -> str:
-    h = hashlib.sha256()
+    h = hashlib.sha256(" ".join(CFLAGS).encode())
     for path in sorted(HERE.glob("*.cpp")) + sorted(HERE.glob("*.h")):
         h.update(path.name.encode())
         h.update(path.read_bytes())
@@ -91,7 +95,7 @@ def build() -> ctypes.CDLL:
         cpp_extension.load(
             name=name,
             sources=[str(p) for p in sources()],
-            extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", f"-I{HERE}"],
+            extra_cflags=[*CFLAGS, f"-I{HERE}"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(folder),
             is_python_module=False,
