@@ -88,10 +88,13 @@ def _huge_pages(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def empty(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.empty`` outside inference mode, poisoned in tests: for tensors a table keeps."""
+def empty(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device, huge_pages: bool = False) -> torch.Tensor:
+    """``torch.empty`` outside inference mode, poisoned in tests: for tensors a table keeps;
+    ``huge_pages``: on 2 MiB pages where large (see huge_pages_zeros), for buffers read at
+    random and allocated once (a store that fills row by row would fault 2 MiB at a time)."""
     with torch.inference_mode(False):
-        return poison_(torch.empty(shape, dtype=dtype, device=device))
+        t = torch.empty(shape, dtype=dtype, device=device)
+        return poison_(_huge_pages(t) if huge_pages else t)
 
 
 class Workspace:
@@ -115,10 +118,8 @@ class Workspace:
                 buf = None
             entry[1] = entry[2] = 0
         if buf is None or buf.shape[0] < rows:
-            # On 2 MiB pages where large: the kernels' scratch is read and written at random
-            # (perf-log, eighteenth session).
-            with torch.inference_mode(False):
-                buf = entry[0] = poison_(_huge_pages(torch.empty((max(rows, 1), *shape), dtype=dtype, device=self.device)))
+            # The kernels' scratch is read and written at random (0041, addendum).
+            buf = entry[0] = empty((max(rows, 1), *shape), dtype=dtype, device=self.device, huge_pages=True)
         elif _POISON:
             poison_(buf[:rows])
         # The whole buffer when it is the size asked for (a view costs a tensor operation).
