@@ -42,9 +42,12 @@ static constexpr int64_t SCRATCH_PER_KEY = ROUNDS_PER_KEY + REST_PER_KEY;
 namespace {
 
 // An item of the first round as its choice is made: its key, place and free-slot info side by
-// side, so that the gather by bucket reads one line per item.
-struct alignas(32) Rec {
-  int64_t key, place, info;
+// side in 16 bytes, so that the gather by bucket reads one line per item from an array of 16
+// bytes an item (half the 32 of three int64: the gather reads it at random).
+struct alignas(16) Rec {
+  int64_t key;
+  uint32_t place;  // < U <= UINT32_MAX
+  uint32_t info;   // free slots | first free slot << 16 (each < 2^16: W <= PACKED_FREE_MAX_W)
 };
 
 constexpr uint64_t NONE = ~uint64_t(0) << ITEM_BITS;  // the bucket part of an item that tries none
@@ -107,7 +110,7 @@ void choose(const Share& sh, int64_t lo, int64_t hi) {
     }
     if constexpr (FIRST) {
       const int64_t place = sh.missing[k];
-      sh.rec[k] = Rec{sh.keys[place], place, info};
+      sh.rec[k] = Rec{sh.keys[place], static_cast<uint32_t>(place), static_cast<uint32_t>((info & 0xFFFF) | (info >> 32) << 16)};
     } else {
       sh.info[k] = info;
     }
@@ -179,7 +182,7 @@ extern "C" int64_t dyn_insert_new(
   tail[0] = -2;
   if (m == 0) return 0;
   // (W: a round's choices pack as pack_choice does.)
-  if (W > PACKED_FREE_MAX_W || cap < SCRATCH_PER_KEY * m || m > static_cast<int64_t>(ITEM_MASK) || total_buckets >= (int64_t(1) << (64 - ITEM_BITS - 1))) return -1;
+  if (W > PACKED_FREE_MAX_W || cap < SCRATCH_PER_KEY * m || m > static_cast<int64_t>(ITEM_MASK) || n_keys > static_cast<int64_t>(UINT32_MAX) || total_buckets >= (int64_t(1) << (64 - ITEM_BITS - 1))) return -1;
   // A round's items are numbered k = 0, 1, ... (in the first round k is the item t, the place
   // missing[t]). Per k: as the round starts, the free slots of the bucket it tries and the first
   // of them (``info``: count | first << 32); in a round after the first, its item (``item``),
@@ -318,7 +321,7 @@ extern "C" int64_t dyn_insert_new(
           const Rec& item_rec = rec[order[e] & ITEM_MASK];
           eplace[e] = item_rec.place;
           ekey[e] = item_rec.key;
-          einfo[e] = item_rec.info;
+          einfo[e] = static_cast<int64_t>(item_rec.info & 0xFFFF) | static_cast<int64_t>(item_rec.info >> 16) << 32;
           if (bucket_ends(e)) close_bucket(e + 1);
         }
       } else {
