@@ -34,21 +34,29 @@ static constexpr int64_t SHORT_RUN = 32;
 // Bits of an entry of the sort array below its bucket: the item.
 static constexpr int ITEM_BITS = 32;
 static constexpr uint64_t ITEM_MASK = (uint64_t(1) << ITEM_BITS) - 1;
-// int64 entries of scratch per missing place (insert.py's SCRATCH_PER_KEY): 12 for the rounds,
+// int64 entries of scratch per missing place (insert.py's SCRATCH_PER_KEY): 10 for the rounds,
 // then REST_PER_KEY for the rest's passes (what the caller reads back when they leave keys).
-static constexpr int64_t ROUNDS_PER_KEY = 12, REST_PER_KEY = 8;
+static constexpr int64_t ROUNDS_PER_KEY = 10, REST_PER_KEY = 8;
 static constexpr int64_t SCRATCH_PER_KEY = ROUNDS_PER_KEY + REST_PER_KEY;
 
 namespace {
 
-// An item of the first round as its choice is made: its key, place and free-slot info side by
-// side in 16 bytes, so that the gather by bucket reads one line per item from an array of 16
-// bytes an item (half the 32 of three int64: the gather reads it at random).
+// An item as a round places it: its key, place and free-slot info side by side in 16 bytes.
+// The first round's choice writes one per item, which the gather by bucket reads at random (one
+// line an item); the gather writes one per entry of the round's order, which the placement reads
+// in turn. 16 bytes, not the 24 of three int64 (perf-log, nineteenth session).
 struct alignas(16) Rec {
   int64_t key;
   uint32_t place;  // < U <= UINT32_MAX
-  uint32_t info;   // free slots | first free slot << 16 (each < 2^16: W <= PACKED_FREE_MAX_W)
+  uint32_t info;   // free slots | first free slot << 16 (each < 2^16: W <= PACKED_FREE_MAX_W);
+                   // LEFT once the placement gave the entry no slot
 };
+
+constexpr uint32_t LEFT = ~uint32_t(0);  // no count is 0xFFFF (W <= PACKED_FREE_MAX_W)
+
+inline uint32_t pack_info(int64_t info) { return static_cast<uint32_t>((info & 0xFFFF) | (info >> 32) << 16); }
+inline int64_t info_count(uint32_t info) { return info & 0xFFFF; }
+inline int64_t info_first(uint32_t info) { return info >> 16; }
 
 constexpr uint64_t NONE = ~uint64_t(0) << ITEM_BITS;  // the bucket part of an item that tries none
 
@@ -110,7 +118,7 @@ void choose(const Share& sh, int64_t lo, int64_t hi) {
     }
     if constexpr (FIRST) {
       const int64_t place = sh.missing[k];
-      sh.rec[k] = Rec{sh.keys[place], static_cast<uint32_t>(place), static_cast<uint32_t>((info & 0xFFFF) | (info >> 32) << 16)};
+      sh.rec[k] = Rec{sh.keys[place], static_cast<uint32_t>(place), pack_info(info)};
     } else {
       sh.info[k] = info;
     }
@@ -181,6 +189,7 @@ extern "C" int64_t dyn_insert_new(
   for (int r = 0; r < MAX_ROUNDS; ++r) rounds[r] = 0;
   tail[0] = -2;
   if (m == 0) return 0;
+  if (reinterpret_cast<uintptr_t>(scratch) % alignof(Rec)) return -1;
   // (W: a round's choices pack as pack_choice does.)
   if (W > PACKED_FREE_MAX_W || cap < SCRATCH_PER_KEY * m || m > static_cast<int64_t>(ITEM_MASK) || n_keys > static_cast<int64_t>(UINT32_MAX) || total_buckets >= (int64_t(1) << (64 - ITEM_BITS - 1))) return -1;
   // A round's items are numbered k = 0, 1, ... (in the first round k is the item t, the place
@@ -189,12 +198,12 @@ extern "C" int64_t dyn_insert_new(
   // key and place (``tkey``, ``tplace``), carried from the round before in its order, so that
   // no round reads ``missing`` or ``keys`` at random (perf-log, fifteenth session).
   int64_t *info = scratch, *item = info + m;
-  // Per entry of the round's ``order`` (the k that try a bucket, by bucket, then key): the key,
-  // its place, its info, the slot it got (-1: none).
+  // Per entry of the round's ``order`` (the k that try a bucket, by bucket, then key): its key,
+  // place and info (``erec``, 16-byte aligned: the scratch is, and 4 m int64 precede it).
   uint64_t* order = reinterpret_cast<uint64_t*>(item + m);
   uint64_t* sort_buffer = order + m;
-  int64_t *ekey = reinterpret_cast<int64_t*>(sort_buffer + m), *eplace = ekey + m, *einfo = eplace + m, *eslot = einfo + m;
-  int64_t *tkey = eslot + m, *tplace = tkey + m, *next_item = tplace + m;
+  Rec* erec = reinterpret_cast<Rec*>(sort_buffer + m);
+  int64_t *tkey = reinterpret_cast<int64_t*>(erec + m), *tplace = tkey + m, *next_item = tplace + m;
   // The items that tried no bucket in a round: both candidates were full, as they stay for
   // every later round (placing only takes slots), so they wait no more rounds.
   int64_t* dead = next_item + m;
@@ -220,32 +229,26 @@ extern "C" int64_t dyn_insert_new(
     if (e - g > SHORT_RUN) {
       std::vector<int64_t> perm(e - g);
       for (int64_t i = 0; i < e - g; ++i) perm[i] = g + i;
-      std::sort(perm.begin(), perm.end(), [&](int64_t a, int64_t b) { return ekey[a] < ekey[b]; });
+      std::sort(perm.begin(), perm.end(), [&](int64_t a, int64_t b) { return erec[a].key < erec[b].key; });
       const std::vector<uint64_t> o(order + g, order + e);
-      const std::vector<int64_t> k(ekey + g, ekey + e), p(eplace + g, eplace + e), f(einfo + g, einfo + e);
+      const std::vector<Rec> r(erec + g, erec + e);
       for (int64_t i = 0; i < e - g; ++i) {
         const int64_t from = perm[i] - g;
         order[g + i] = o[from];
-        ekey[g + i] = k[from];
-        eplace[g + i] = p[from];
-        einfo[g + i] = f[from];
+        erec[g + i] = r[from];
       }
       return;
     }
     for (int64_t i = g + 1; i < e; ++i) {
       const uint64_t o = order[i];
-      const int64_t k = ekey[i], p = eplace[i], f = einfo[i];
+      const Rec r = erec[i];
       int64_t j = i;
-      for (; j > g && ekey[j - 1] > k; --j) {
+      for (; j > g && erec[j - 1].key > r.key; --j) {
         order[j] = order[j - 1];
-        ekey[j] = ekey[j - 1];
-        eplace[j] = eplace[j - 1];
-        einfo[j] = einfo[j - 1];
+        erec[j] = erec[j - 1];
       }
       order[j] = o;
-      ekey[j] = k;
-      eplace[j] = p;
-      einfo[j] = f;
+      erec[j] = r;
     }
   };
 
@@ -308,8 +311,8 @@ extern "C" int64_t dyn_insert_new(
       auto close_bucket = [&](int64_t e) {  // entries [g, e) are one bucket's
         if (e - g > 1) sort_run(g, e);
         int64_t distinct = 1;
-        for (int64_t q = g + 1; q < e; ++q) distinct += ekey[q] != ekey[q - 1];
-        const int64_t free_at_start = einfo[g] & 0xFFFFFFFF;
+        for (int64_t q = g + 1; q < e; ++q) distinct += erec[q].key != erec[q - 1].key;
+        const int64_t free_at_start = info_count(erec[g].info);
         const int64_t limit = halve ? (free_at_start + 1) / 2 : free_at_start;
         placed += distinct < limit ? distinct : limit;
         g = e;
@@ -318,10 +321,7 @@ extern "C" int64_t dyn_insert_new(
       if (round_no == 0) {
         for (int64_t e = elo; e < ehi; ++e) {
           if (e + AHEAD < ehi) __builtin_prefetch(rec + (order[e + AHEAD] & ITEM_MASK));
-          const Rec& item_rec = rec[order[e] & ITEM_MASK];
-          eplace[e] = item_rec.place;
-          ekey[e] = item_rec.key;
-          einfo[e] = static_cast<int64_t>(item_rec.info & 0xFFFF) | static_cast<int64_t>(item_rec.info >> 16) << 32;
+          erec[e] = rec[order[e] & ITEM_MASK];
           if (bucket_ends(e)) close_bucket(e + 1);
         }
       } else {
@@ -333,9 +333,7 @@ extern "C" int64_t dyn_insert_new(
             __builtin_prefetch(info + ahead);
           }
           const int64_t k = static_cast<int64_t>(order[e] & ITEM_MASK);
-          eplace[e] = tplace[k];
-          ekey[e] = tkey[k];
-          einfo[e] = info[k];
+          erec[e] = Rec{tkey[k], static_cast<uint32_t>(tplace[k]), pack_info(info[k])};
           if (bucket_ends(e)) close_bucket(e + 1);
         }
       }
@@ -351,26 +349,26 @@ extern "C" int64_t dyn_insert_new(
       int64_t k = placed_in[r], unplaced = 0;
       for (int64_t g = elo; g < ehi;) {
         if (g + AHEAD < ehi) {
-          const int64_t ahead = bucket_of_entry(order[g + AHEAD]) * W, likely = ahead + (einfo[g + AHEAD] >> 32);
+          const int64_t ahead = bucket_of_entry(order[g + AHEAD]) * W, likely = ahead + info_first(erec[g + AHEAD].info);
           __builtin_prefetch(tags + ahead, 1);
           __builtin_prefetch(slot_keys.at(likely), 1);
           // The result's entries it writes (at random places of the call).
-          __builtin_prefetch(pos + eplace[g + AHEAD], 1);
-          __builtin_prefetch(rows + eplace[g + AHEAD], 1);
+          __builtin_prefetch(pos + erec[g + AHEAD].place, 1);
+          __builtin_prefetch(rows + erec[g + AHEAD].place, 1);
           if (!packed) {
             __builtin_prefetch(slot_scores.at(likely), 1);
             __builtin_prefetch(slot_rows.at(likely), 1);
           }
         }
         const int64_t b = bucket_of_entry(order[g]);
-        const int64_t free_at_start = einfo[g] & 0xFFFFFFFF;
+        const int64_t free_at_start = info_count(erec[g].info);
         const int64_t limit = halve ? (free_at_start + 1) / 2 : free_at_start;
         int64_t taken = 0, e = g;
         while (e < ehi && bucket_of_entry(order[e]) == b) {
           // One distinct key: entries [e, f) hold it.
-          const int64_t key = ekey[e];
+          const int64_t key = erec[e].key;
           int64_t f = e + 1;
-          while (f < ehi && bucket_of_entry(order[f]) == b && ekey[f] == key) ++f;
+          while (f < ehi && bucket_of_entry(order[f]) == b && erec[f].key == key) ++f;
           int64_t slot = -1;
           if (taken < limit) {
             const FreeSlots now = free_slots(tags, b, W);
@@ -381,12 +379,13 @@ extern "C" int64_t dyn_insert_new(
             ++k;
             ++taken;
             for (int64_t q = e; q < f; ++q) {
-              pos[eplace[q]] = slot;
-              rows[eplace[q]] = id;
+              pos[erec[q].place] = slot;
+              rows[erec[q].place] = id;
             }
+          } else {
+            for (int64_t q = e; q < f; ++q) erec[q].info = LEFT;
+            unplaced += f - e;
           }
-          for (int64_t q = e; q < f; ++q) eslot[q] = slot;
-          if (slot < 0) unplaced += f - e;
           e = f;
         }
         g = e;
@@ -399,11 +398,11 @@ extern "C" int64_t dyn_insert_new(
       for (int q = 0; q < rt; ++q) left_in[q + 1] += left_in[q];
       int64_t at = left_in[r];
       for (int64_t e = elo; e < ehi; ++e) {
-        if (eslot[e] >= 0) continue;
+        if (erec[e].info != LEFT) continue;
         const int64_t k_e = static_cast<int64_t>(order[e] & ITEM_MASK);
         next_item[at] = round_no == 0 ? k_e : item[k_e];
-        tkey[at] = ekey[e];
-        tplace[at] = eplace[e];
+        tkey[at] = erec[e].key;
+        tplace[at] = erec[e].place;
         ++at;
       }
     }

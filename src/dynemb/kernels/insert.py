@@ -26,7 +26,7 @@ from dynemb.kernels.place import MAX_ROUNDS
 
 # int64 scratch entries per missing place (insert.cpp's SCRATCH_PER_KEY): ROUNDS for the rounds,
 # then the rest's state (REST, read back below).
-ROUNDS_PER_KEY, REST_PER_KEY = 12, 8
+ROUNDS_PER_KEY, REST_PER_KEY = 10, 8
 SCRATCH_PER_KEY = ROUNDS_PER_KEY + REST_PER_KEY
 # int64 entries of the small output after the rounds': the rest's tail, then its allocations
 # (at most rest.MAX_PASSES placement calls of MAX_ROUNDS each, as place_rest_native's).
