@@ -146,18 +146,24 @@ struct FreeSlots {
 // FreeSlots of the bucket whose W tags start at ``t`` (free_slots: of bucket ``bucket``): from
 // a bit mask of its tags (bit j set where slot j is empty) for buckets of up to MASK_SLOTS
 // slots, with no loop over the slots and no branch per slot; wider buckets slot by slot.
-inline FreeSlots free_slots_at(const uint8_t* t, int64_t W) {
-  if (W > MASK_SLOTS) {
-    int64_t first = 0;
-    while (first < W && t[first]) ++first;
-    return {free_in(t, 0, W), first < W ? first : -1};
-  }
+// Bit j set where slot j of the bucket whose W <= MASK_SLOTS tags start at ``t`` is empty.
+inline uint64_t free_mask_at(const uint8_t* t, int64_t W) {
   uint64_t m = 0;
   int64_t j = 0;
 #ifdef __SSE2__
   for (; j + 16 <= W; j += 16) m |= static_cast<uint64_t>(tag_mask16(t + j, _mm_setzero_si128())) << j;
 #endif
   for (; j < W; ++j) m |= static_cast<uint64_t>(t[j] == 0) << j;
+  return m;
+}
+
+inline FreeSlots free_slots_at(const uint8_t* t, int64_t W) {
+  if (W > MASK_SLOTS) {
+    int64_t first = 0;
+    while (first < W && t[first]) ++first;
+    return {free_in(t, 0, W), first < W ? first : -1};
+  }
+  const uint64_t m = free_mask_at(t, W);
   return {popcount64(m), m ? static_cast<int64_t>(__builtin_ctzll(m)) : -1};
 }
 

@@ -364,6 +364,9 @@ extern "C" int64_t dyn_insert_new(
         const int64_t free_at_start = info_count(erec[g].info);
         const int64_t limit = halve ? (free_at_start + 1) / 2 : free_at_start;
         int64_t taken = 0, e = g;
+        // The bucket's empty slots as a mask, read once (its j-th key takes the j-th): no load
+        // of the tag line behind the store of the key before (buckets of up to MASK_SLOTS slots).
+        uint64_t empty = W <= MASK_SLOTS && limit ? free_mask_at(tags + b * W, W) : 0;
         while (e < ehi && bucket_of_entry(order[e]) == b) {
           // One distinct key: entries [e, f) hold it.
           const int64_t key = erec[e].key;
@@ -371,8 +374,12 @@ extern "C" int64_t dyn_insert_new(
           while (f < ehi && bucket_of_entry(order[f]) == b && erec[f].key == key) ++f;
           int64_t slot = -1;
           if (taken < limit) {
-            const FreeSlots now = free_slots(tags, b, W);
-            slot = b * W + now.first;
+            if (W <= MASK_SLOTS) {
+              slot = b * W + __builtin_ctzll(empty);
+              empty &= empty - 1;
+            } else {
+              slot = b * W + free_slots(tags, b, W).first;
+            }
             write_slot(slot_keys, tags, slot_scores, slot, key, score);
             const int64_t id = allocated_id(free_ids, top, high_water, reused, k);
             slot_rows.set(slot, id);
