@@ -16,6 +16,7 @@ of ``rest.cpp`` (cuckoo moves, then free slots), as ``BatchPlacement._upsert`` w
 
 from __future__ import annotations
 
+import ctypes
 from typing import NamedTuple
 
 import torch
@@ -31,6 +32,11 @@ SCRATCH_PER_KEY = ROUNDS_PER_KEY + REST_PER_KEY
 # int64 entries of the small output after the rounds': the rest's tail, then its allocations
 # (at most rest.MAX_PASSES placement calls of MAX_ROUNDS each, as place_rest_native's).
 TAIL = 6
+# The small output: the rounds' slots, the tail, the rest's allocations (as place_rest_native's,
+# at most rest.MAX_PASSES placement calls of MAX_ROUNDS each).
+MAX_ALLOCATIONS = rest_kernel.MAX_PASSES * MAX_ROUNDS
+SMALL = MAX_ROUNDS + TAIL + MAX_ALLOCATIONS
+_Small = ctypes.c_int64 * SMALL
 
 
 class Rest(NamedTuple):
@@ -55,8 +61,16 @@ class Inserted(NamedTuple):
     """What :func:`insert_new_native` did."""
 
     rounds: list[int]  # slots each round took (the free list's allocations to commit, in turn)
-    left: torch.Tensor | None  # [left] the places left without a slot by the rounds, in ``missing``'s order (a workspace view); None: none left
+    left_places: torch.Tensor  # the workspace buffer whose first n_left entries are the places left
+    n_left: int  # how many places the rounds left without a slot
     rest: Rest | None  # the rest's passes over them, where asked and some were left
+
+    @property
+    def left(self) -> torch.Tensor | None:
+        """[n_left] the places left without a slot by the rounds, in ``missing``'s order (a
+        workspace view); None: none left. Made when asked for: a view costs tens of microseconds
+        right after the kernel, and most calls never look."""
+        return self.left_places[: self.n_left] if self.n_left else None
 
 
 def insert_new_native(
@@ -79,6 +93,7 @@ def insert_new_native(
     rest: tuple[int, int, int] | None = None,
     repeats: bool = True,
     segment_free: torch.Tensor | None = None,
+    reusable: int | None = None,
 ) -> Inserted | None:
     """Place the missing keys of one segment's index, in place; returns what was done
     (:class:`Inserted`: the rounds, the places they left, the rest's passes over those), or
@@ -96,7 +111,8 @@ def insert_new_native(
         pre_free (Tensor[int64] | None): [U] the first round's choice of each place's candidate
             as the probe saw them (``pack_choice``, from
             :func:`dynemb.kernels.upsert.found_and_missing_native`), or None.
-        free_ids (Tensor[int64]): the free list's reusable ids (:meth:`FreeList.reusable`);
+        free_ids (Tensor[int64]): the free list's reusable ids (:meth:`FreeList.reusable`), or
+            its stack whose first ``reusable`` entries they are (:meth:`FreeList.reusable_stack`);
             high_water: its first never-used id.
         pos, rows (Tensor[int64]): [U] the call's result, written at the places of placed keys.
         workspace: a :class:`dynemb.workspace.Workspace` for the kernel's scratch.
@@ -108,13 +124,14 @@ def insert_new_native(
         segment_free (Tensor[int64] | None): [S] with ``rest`` and ``seg``: each segment's
             empty slots as the call starts, taken in place as keys are placed (the rest's passes
             use them as :func:`dynemb.kernels.rest.place_rest_native` does).
+        reusable: with ``free_ids`` the free list's stack, how many of its first entries are reusable.
     """
     keys, missing, free_ids = keys.contiguous(), missing.contiguous(), free_ids.contiguous()
     seg = None if seg is None else seg.contiguous()
     m = missing.numel()
-    # The rounds, the rest's tail and its allocations, written by the kernel.
-    max_allocations = rest_kernel.MAX_PASSES * MAX_ROUNDS
-    small = torch.empty(MAX_ROUNDS + TAIL + max_allocations, dtype=torch.int64)
+    # The rounds, the rest's tail and its allocations, written by the kernel; read through ctypes
+    # (no tensor operation: each costs tens of microseconds right after the kernel).
+    small = workspace.get("insert_new.small", SMALL, (), torch.int64).data_ptr()
     left_places = workspace.get("insert_new.left", m, (), torch.int64)
     cap = SCRATCH_PER_KEY * m
     scratch = workspace.get("insert_new", cap, (), torch.int64)
@@ -134,11 +151,11 @@ def insert_new_native(
         score,
         ptr(pre_free),
         ptr(free_ids),
-        free_ids.numel(),
+        free_ids.numel() if reusable is None else reusable,
         high_water,
         ptr(pos),
         ptr(rows),
-        ptr(small),
+        small,
         ptr(per_segment),
         ptr(left_places),
         ptr(scratch),
@@ -151,30 +168,29 @@ def insert_new_native(
         free_slots,
         depth,
         give_up,
-        ptr(small[MAX_ROUNDS + TAIL :]),
-        max_allocations,
+        small + 8 * (MAX_ROUNDS + TAIL),
+        MAX_ALLOCATIONS,
         ptr(segment_free if seg is not None else None),
-        ptr(small[MAX_ROUNDS:]),
+        small + 8 * MAX_ROUNDS,
     )
     if left < 0:
         return None
     # One read of the whole output (each tensor operation after a kernel that swept the caches
     # costs tens of microseconds: perf-log, sixteenth session).
-    out = small.tolist()
+    out = _Small.from_address(small)[:]
     rounds, (code, M, P, gave_up, n_alloc, _) = [r for r in out[:MAX_ROUNDS] if r], out[MAX_ROUNDS : MAX_ROUNDS + TAIL]
-    # No view made where none is left (a tensor operation here costs tens of microseconds).
-    left_view = left_places[:left] if left else None
     if code == -2:
-        return Inserted(rounds, left_view, None)
+        return Inserted(rounds, left_places, left, None)
     allocations = out[MAX_ROUNDS + TAIL : MAX_ROUNDS + TAIL + n_alloc]
     if code == 0:
-        return Inserted(rounds, left_view, Rest(0, allocations, bool(gave_up)))
+        return Inserted(rounds, left_places, left, Rest(0, allocations, bool(gave_up)))
     # The state the caller goes on from (insert.cpp's layout).
     state = scratch[ROUNDS_PER_KEY * m :].view(REST_PER_KEY, m)
     new_keys, first, spread, new_pos, pending = (state[i] for i in range(5))
     flags = state[7].view(torch.bool)
     return Inserted(
         rounds,
-        left_view,
+        left_places,
+        left,
         Rest(code, allocations, bool(gave_up), new_keys[:M], first[:M], spread[:left], new_pos[:M], pending[:P], flags[:M], flags[m : m + M]),
     )

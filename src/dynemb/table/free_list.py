@@ -47,6 +47,11 @@ class FreeList:
         ``high_water`` up. For a kernel that hands out ids as ``allocate`` would."""
         return self._stack[: self._top]
 
+    def reusable_stack(self) -> tuple[torch.Tensor, int]:
+        """:meth:`reusable` as (the stack, k): its first k entries are the reusable ids (no view
+        made: for a kernel called right after another, where each tensor operation is costly)."""
+        return self._stack, self._top
+
     def allocate(self, n: int, *, borrow: bool = False) -> torch.Tensor:
         """``n`` distinct free ids (Tensor[int64]: [n]); raises if fewer are free. ``borrow``:
         reused ids may come as a view of the stack, valid until the next ``release`` (for a

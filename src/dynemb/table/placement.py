@@ -99,7 +99,7 @@ class BatchPlacement:
         rest = None
         if uniform and self.native and missing.numel() and (distinct or seg is None) and self._places_without_growth(missing.numel(), _pick(seg, missing)):
             got = self._insert_new_native(unique, seg, missing, clock, pos, found_rows, pre_free, distinct)
-            if got is not None and (got.left is None or (got.rest is not None and got.rest.code == 0)):
+            if got is not None and (got.n_left == 0 or (got.rest is not None and got.rest.code == 0)):
                 # Every new key placed, with its slot and row id in the result: nothing evicted or failed.
                 none = unique[:0]
                 no_seg = none if self.segmented else None
@@ -533,6 +533,7 @@ class BatchPlacement:
         per_segment = None if seg is None else torch.zeros(self.num_segments, dtype=torch.int64)
         tables = (self._keys, self._tags, self._scores, self._rows)
         rest = None if self._can_grow() else (self.current_capacity() - self._size, MOVE_DEPTH, GIVE_UP)
+        stack, reusable = free.reusable_stack()
         got = insert_new_native(
             *tables,
             self._segments,
@@ -541,7 +542,7 @@ class BatchPlacement:
             missing,
             score,
             pre_free,
-            free.reusable(),
+            stack,
             free.high_water,
             pos,
             rows,
@@ -550,6 +551,7 @@ class BatchPlacement:
             rest=rest,
             repeats=not distinct,
             segment_free=None if seg is None or rest is None else self._segment_free(),
+            reusable=reusable,
         )
         if got is None:
             return None
