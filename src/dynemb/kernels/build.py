@@ -38,7 +38,7 @@ SIGNATURES = {
     "dyn_place_rest": "pippiipiiiippppppipipppipiiipiipipppi",
     "dyn_evict_for": "pippiiiipppppipiipppppii",
     "dyn_evict_scratch_bytes": "iii",
-    "dyn_upsert_found": "pippiiiipiippppipipiipppppi",
+    "dyn_upsert_found": "pippiiiipiippppipipiippppppi",
     "dyn_copy_bags": "piiipppppi",
     "dyn_sum_bags": "pipppiiipi",
 }

@@ -41,6 +41,8 @@ extern "C" int64_t dyn_upsert_found(
     int64_t* rows_out,             // [U] out or null: row id of each found key, -1 where missing
     int64_t* free_info,            // [U] out or null: each missing key's pack_choice of its two
                                    // candidates (W <= PACKED_FREE_MAX_W; filled without lfu_add only)
+    bool* absent,                  // [U] out or null: not found (what an insert that places every
+                                   // missing key returns as ``inserted``)
     int64_t nthreads) {
   const KeyCol slot_keys(table_keys, key_step);
   const IntCol scores(table_scores, score_bytes, score_step), rows(table_rows, row_bytes, row_step);
@@ -64,6 +66,7 @@ extern "C" int64_t dyn_upsert_found(
         probe_block(slot_keys, tags, W, cand, keys + lo, lo, len, at, &scores);
       for (int64_t i = 0; i < len; ++i) {
         found[lo + i] = at[i] >= 0;
+        if (absent) absent[lo + i] = at[i] < 0;
         if (at[i] >= 0) scores.set(at[i], batch_scores[(lo + i) * score_stride]);
         if (rows_out) rows_out[lo + i] = at[i] >= 0 ? rows.get(at[i]) : -1;
       }
@@ -77,6 +80,8 @@ extern "C" int64_t dyn_upsert_found(
   }
   dyn_locate(table_keys, key_step, tags, W, total_buckets, keys, seg, seg_counts, seg_offsets, n, pos, found, table_rows, row_bytes, row_step,
              rows_out, nthreads);
+  if (absent)
+    for (int64_t i = 0; i < n; ++i) absent[i] = !found[i];
   auto new_score = [&](int64_t i) -> int64_t {
     const int64_t old = stored(pos[i]), add = counts[i];
     return old > I64_MAX - add ? I64_MAX : old + add;

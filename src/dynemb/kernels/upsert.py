@@ -33,12 +33,14 @@ def found_and_missing_native(
     table_rows: torch.Tensor | None = None,
     workspace=None,
     free_info: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+    absent: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None:
     """Returns pos [U] (-1 where missing), found [U], missing [M] (indices into keys), with
     ``table_rows`` ([B, W] int32 or int64) the found keys' row ids ([U] int64, -1 where
     missing; read in the probe, from the score's line when the slots are packed), else None,
-    and the free slots asked for with ``free_info`` (else None); None in all when a score of
-    this call does not fit ``table_scores``' int32 (then nothing was written).
+    the free slots asked for with ``free_info`` (else None), and with ``absent`` ~found ([U]
+    bool, written by the probe beside found: no tensor operation after it), else None; None in
+    all when a score of this call does not fit ``table_scores``' int32 (then nothing was written).
 
     Args:
         table_keys (Tensor[int64]), tags (Tensor[uint8], 0 where empty), table_scores (Tensor[int32|int64]):
@@ -66,6 +68,7 @@ def found_and_missing_native(
     n = keys.numel()
     pos = torch.empty(n, dtype=torch.int64)
     found = torch.empty(n, dtype=torch.bool)
+    not_found = torch.empty(n, dtype=torch.bool) if absent else None
     missing = torch.empty(n, dtype=torch.int64) if workspace is None else workspace.get("missing", n, (), torch.int64)
     rows = None if table_rows is None else torch.empty(n, dtype=torch.int64)
     info = None
@@ -91,10 +94,11 @@ def found_and_missing_native(
         ptr(missing),
         ptr(rows),
         ptr(info),
+        ptr(not_found),
         threads(),
     )
     if m < 0:
         return None
     # Every key missing (an insert): the buffer itself, no view (a tensor operation after the
     # kernel costs tens of microseconds).
-    return pos, found, missing if m == n else missing[:m], rows, info
+    return pos, found, missing if m == n else missing[:m], rows, info, not_found

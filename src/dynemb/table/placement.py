@@ -88,7 +88,7 @@ class BatchPlacement:
         found_rows = None  # [U] the found keys' row ids (-1 for the missing), where the probe read them
         pre_free = None  # [U] the missing keys' candidates' free slots, where the probe read them
         if self.native:
-            pos, found, missing, found_rows, pre_free = self._found_and_missing_native(unique, counts, batch_scores, lfu_add, uniform, seg)
+            pos, found, missing, found_rows, pre_free, absent = self._found_and_missing_native(unique, counts, batch_scores, lfu_add, uniform, seg)
         else:
             pos, found, missing = self._found_and_missing(unique, counts, batch_scores, lfu_add, uniform, seg)
         occurrences, spread = missing, None  # with repeated keys: [M'] every missing key's place, [M'] its rank
@@ -103,7 +103,7 @@ class BatchPlacement:
                 # Every new key placed, with its slot and row id in the result: nothing evicted or failed.
                 none = unique[:0]
                 no_seg = none if self.segmented else None
-                return IndexResult(pos, found_rows, found, ~found, none, none, none, none, no_seg, no_seg)
+                return IndexResult(pos, found_rows, found, absent, none, none, none, none, no_seg, no_seg)
             if got is not None:
                 # The placed keys have their slots and row ids in pos and rows (moves follow them);
                 # the places left go on (a copy: the kernel's buffer is reused by later calls).
@@ -427,16 +427,18 @@ class BatchPlacement:
 
     def _found_and_missing_native(
         self, unique: torch.Tensor, counts: torch.Tensor, batch_scores: torch.Tensor, lfu_add: bool, uniform: bool, seg: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """:meth:`_found_and_missing` by the compiled kernel (bitwise the same), the found
-        keys' row ids ([U] int64, -1 for the missing keys), read in the probe, and the missing
-        keys' candidates' free slots as the probe saw them ([U] int64, or None)."""
+        keys' row ids ([U] int64, -1 for the missing keys), read in the probe, the missing
+        keys' candidates' free slots as the probe saw them ([U] int64, or None), and under one
+        clock value ~found ([U] bool: the result's ``inserted`` when the compiled insert places
+        every new key; else None)."""
         args = (self._segments, unique, seg, batch_scores, counts, lfu_add, uniform)
-        got = found_and_missing_native(self._keys, self._tags, self._scores, *args, self._rows, self._workspace, free_info=True)
+        got = found_and_missing_native(self._keys, self._tags, self._scores, *args, self._rows, self._workspace, free_info=True, absent=uniform)
         if got is None:
             # A score of this call does not fit int32 (nothing was written): widen, then redo.
             self._widen_scores()
-            got = found_and_missing_native(self._keys, self._tags, self._scores, *args, self._rows, self._workspace, free_info=True)
+            got = found_and_missing_native(self._keys, self._tags, self._scores, *args, self._rows, self._workspace, free_info=True, absent=uniform)
         return got
 
     def _place_free(
