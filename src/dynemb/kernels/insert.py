@@ -177,7 +177,7 @@ def insert_new_native(
         return None
     # One read of the whole output (each tensor operation after a kernel that swept the caches
     # costs tens of microseconds: perf-log, sixteenth session).
-    out = _Small.from_address(small)[:]
+    out = _Small.from_address(small)
     rounds, (code, M, P, gave_up, n_alloc, _) = [r for r in out[:MAX_ROUNDS] if r], out[MAX_ROUNDS : MAX_ROUNDS + TAIL]
     if code == -2:
         return Inserted(rounds, left_places, left, None)
