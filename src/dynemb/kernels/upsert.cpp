@@ -1,6 +1,8 @@
 // Native twin of upsert.py's found_and_missing_torch: the first part of an upsert of U distinct
 // keys: locate them, give the found keys this call's score (lfu: the saturating sum), and list
 // the missing ones in priority order (higher score first, ties in key order). B buckets, W slots.
+#include <omp.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -17,6 +19,8 @@ extern "C" int64_t dyn_locate(const int64_t*, int64_t, const uint8_t*, int64_t, 
 static constexpr int64_t I64_MAX = std::numeric_limits<int64_t>::max();
 static constexpr int64_t I32_MIN = std::numeric_limits<int32_t>::min();
 static constexpr int64_t I32_MAX = std::numeric_limits<int32_t>::max();
+// Most threads the probe's parallel region takes (its per-thread counts live on the stack).
+static constexpr int MAX_PROBE_THREADS = 64;
 
 // Returns M, the number of missing keys (``missing`` gets them in priority order), or -1 when
 // a score of this call does not fit the int32 scores (nothing written: widen, then call again).
@@ -55,25 +59,42 @@ extern "C" int64_t dyn_upsert_found(
         if (batch_scores[i] < I32_MIN || batch_scores[i] > I32_MAX) return -1;
     Candidates cand{seg, seg_counts, seg_offsets, total_buckets};
     const int64_t blocks = (n + PROBE_BLOCK - 1) / PROBE_BLOCK;
-#pragma omp parallel for schedule(static) num_threads(threads(nthreads, n, 4096))
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      const int64_t lo = blk * PROBE_BLOCK, len = lo + PROBE_BLOCK < n ? PROBE_BLOCK : n - lo;
-      int64_t* at = pos + lo;
-      // The score line of each key's likely slot is requested with its key line.
-      if (free_info)
-        probe_block<true>(slot_keys, tags, W, cand, keys + lo, lo, len, at, &scores, free_info + lo);
-      else
-        probe_block(slot_keys, tags, W, cand, keys + lo, lo, len, at, &scores);
-      for (int64_t i = 0; i < len; ++i) {
-        found[lo + i] = at[i] >= 0;
-        if (absent) absent[lo + i] = at[i] < 0;
-        if (at[i] >= 0) scores.set(at[i], batch_scores[(lo + i) * score_stride]);
-        if (rows_out) rows_out[lo + i] = at[i] >= 0 ? rows.get(at[i]) : -1;
+    const int nt = threads(nthreads, n, 4096) < MAX_PROBE_THREADS ? threads(nthreads, n, 4096) : MAX_PROBE_THREADS;
+    // Each thread's missing keys, then where its part of ``missing`` starts.
+    int64_t missing_in[MAX_PROBE_THREADS + 1] = {};
+#pragma omp parallel num_threads(nt)
+    {
+      // Thread t probes blocks [b0, b1), then lists their missing keys (in order, after the
+      // threads before it): the found flags it reads are its own, in its cache.
+      const int t = omp_get_thread_num(), team = omp_get_num_threads();
+      const int64_t b0 = blocks * t / team, b1 = blocks * (t + 1) / team;
+      int64_t mine = 0;
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t lo = blk * PROBE_BLOCK, len = lo + PROBE_BLOCK < n ? PROBE_BLOCK : n - lo;
+        int64_t* at = pos + lo;
+        // The score line of each key's likely slot is requested with its key line.
+        if (free_info)
+          probe_block<true>(slot_keys, tags, W, cand, keys + lo, lo, len, at, &scores, free_info + lo);
+        else
+          probe_block(slot_keys, tags, W, cand, keys + lo, lo, len, at, &scores);
+        for (int64_t i = 0; i < len; ++i) {
+          found[lo + i] = at[i] >= 0;
+          mine += at[i] < 0;
+          if (absent) absent[lo + i] = at[i] < 0;
+          if (at[i] >= 0) scores.set(at[i], batch_scores[(lo + i) * score_stride]);
+          if (rows_out) rows_out[lo + i] = at[i] >= 0 ? rows.get(at[i]) : -1;
+        }
       }
+      missing_in[t + 1] = mine;
+#pragma omp barrier
+      int64_t k = 0;
+      for (int q = 0; q < t; ++q) k += missing_in[q + 1];
+      const int64_t end = b1 * PROBE_BLOCK < n ? b1 * PROBE_BLOCK : n;
+      for (int64_t i = b0 * PROBE_BLOCK; i < end; ++i)
+        if (!found[i]) missing[k++] = i;
     }
     int64_t m = 0;
-    for (int64_t i = 0; i < n; ++i)
-      if (!found[i]) missing[m++] = i;
+    for (int q = 0; q < nt; ++q) m += missing_in[q + 1];
     if (!uniform)
       std::stable_sort(missing, missing + m, [&](int64_t a, int64_t b) { return batch_scores[a * score_stride] > batch_scores[b * score_stride]; });
     return m;
