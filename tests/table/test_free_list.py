@@ -75,6 +75,9 @@ def test_reusable_ids_are_what_allocations_take_from_the_end():
     fl.allocate(6)
     fl.release(ids([4, 1, 3]))
     assert torch.equal(fl.reusable(), ids([4, 1, 3])) and fl.high_water == 6
+    # The same ids as the stack and their count (what the compiled insert reads: no view).
+    stack, k = fl.reusable_stack()
+    assert k == 3 and torch.equal(stack[:k], ids([4, 1, 3]))
     assert torch.equal(fl.allocate(2), ids([1, 3]))
     assert torch.equal(fl.reusable(), ids([4]))
     assert torch.equal(fl.allocate(3), ids([4, 6, 7]))
