@@ -59,7 +59,7 @@ extern "C" int64_t dyn_upsert_found(
         if (batch_scores[i] < I32_MIN || batch_scores[i] > I32_MAX) return -1;
     Candidates cand{seg, seg_counts, seg_offsets, total_buckets};
     const int64_t blocks = (n + PROBE_BLOCK - 1) / PROBE_BLOCK;
-    const int nt = threads(nthreads, n, 4096) < MAX_PROBE_THREADS ? threads(nthreads, n, 4096) : MAX_PROBE_THREADS;
+    const int nt = std::min(threads(nthreads, n, 4096), MAX_PROBE_THREADS);
     // Each thread's missing keys, then where its part of ``missing`` starts.
     int64_t missing_in[MAX_PROBE_THREADS + 1] = {};
 #pragma omp parallel num_threads(nt)
