@@ -54,7 +54,6 @@ struct alignas(16) Rec {
 
 constexpr uint32_t LEFT = ~uint32_t(0);  // no count is 0xFFFF (W <= PACKED_FREE_MAX_W)
 
-inline uint32_t pack_info(int64_t info) { return static_cast<uint32_t>((info & 0xFFFF) | (info >> 32) << 16); }
 inline int64_t info_count(uint32_t info) { return info & 0xFFFF; }
 inline int64_t info_first(uint32_t info) { return info >> 16; }
 
@@ -109,16 +108,16 @@ void choose(const Share& sh, int64_t lo, int64_t hi) {
     }
     uint64_t entry = NONE | static_cast<uint64_t>(k);
     int range = sh.rt;
-    int64_t info = 0;
+    uint32_t info = 0;
     if (c >= 0) {
       const uint64_t bucket = static_cast<uint64_t>(choice_bucket(c));
       entry = bucket << ITEM_BITS | static_cast<uint64_t>(k);
-      info = choice_count(c) | choice_first(c) << 32;
+      info = static_cast<uint32_t>(choice_count(c) | choice_first(c) << 16);
       range = static_cast<int>((bucket * sh.span) >> 32);
     }
     if constexpr (FIRST) {
       const int64_t place = sh.missing[k];
-      sh.rec[k] = Rec{sh.keys[place], static_cast<uint32_t>(place), pack_info(info)};
+      sh.rec[k] = Rec{sh.keys[place], static_cast<uint32_t>(place), info};
     } else {
       sh.info[k] = info;
     }
@@ -194,7 +193,7 @@ extern "C" int64_t dyn_insert_new(
   if (W > PACKED_FREE_MAX_W || cap < SCRATCH_PER_KEY * m || m > static_cast<int64_t>(ITEM_MASK) || n_keys > static_cast<int64_t>(UINT32_MAX) || total_buckets >= (int64_t(1) << (64 - ITEM_BITS - 1))) return -1;
   // A round's items are numbered k = 0, 1, ... (in the first round k is the item t, the place
   // missing[t]). Per k: as the round starts, the free slots of the bucket it tries and the first
-  // of them (``info``: count | first << 32); in a round after the first, its item (``item``),
+  // of them (``info``, as a Rec's); in a round after the first, its item (``item``),
   // key and place (``tkey``, ``tplace``), carried from the round before in its order, so that
   // no round reads ``missing`` or ``keys`` at random (perf-log, fifteenth session).
   int64_t *info = scratch, *item = info + m;
@@ -333,7 +332,7 @@ extern "C" int64_t dyn_insert_new(
             __builtin_prefetch(info + ahead);
           }
           const int64_t k = static_cast<int64_t>(order[e] & ITEM_MASK);
-          erec[e] = Rec{tkey[k], static_cast<uint32_t>(tplace[k]), pack_info(info[k])};
+          erec[e] = Rec{tkey[k], static_cast<uint32_t>(tplace[k]), static_cast<uint32_t>(info[k])};
           if (bucket_ends(e)) close_bucket(e + 1);
         }
       }

@@ -29,11 +29,9 @@ from dynemb.kernels.place import MAX_ROUNDS
 # then the rest's state (REST, read back below).
 ROUNDS_PER_KEY, REST_PER_KEY = 10, 8
 SCRATCH_PER_KEY = ROUNDS_PER_KEY + REST_PER_KEY
-# int64 entries of the small output after the rounds': the rest's tail, then its allocations
-# (at most rest.MAX_PASSES placement calls of MAX_ROUNDS each, as place_rest_native's).
+# The small output, int64: the rounds' slots (MAX_ROUNDS), the rest's tail (TAIL), then its
+# allocations (at most rest.MAX_PASSES placement calls of MAX_ROUNDS each, as place_rest_native's).
 TAIL = 6
-# The small output: the rounds' slots, the tail, the rest's allocations (as place_rest_native's,
-# at most rest.MAX_PASSES placement calls of MAX_ROUNDS each).
 MAX_ALLOCATIONS = rest_kernel.MAX_PASSES * MAX_ROUNDS
 SMALL = MAX_ROUNDS + TAIL + MAX_ALLOCATIONS
 _Small = ctypes.c_int64 * SMALL
